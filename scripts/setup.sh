@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create ./.venv and install whisper-modifiers with its pinned dependencies.
+# torch is installed first, pinned, so nothing pulls a CUDA build on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-test}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".[${EXTRAS}]"

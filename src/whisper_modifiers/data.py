@@ -1,0 +1,65 @@
+"""Calibration data: N sequences of L tokens sampled with a seed from a corpus.
+
+The paper's protocol (Section 3.4) is 128 sequences of 4096 tokens from the WikiText-2
+training split.  Sequences are fed one per batch row, without padding, so pairs are
+never formed with pad tokens.  ``load_corpus`` reads the Hugging Face dataset or a local
+text file; ``sample_sequences`` draws random windows (as SparseGPT and Wanda do).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+__all__ = ["calibration_dataset", "load_corpus", "sample_sequences"]
+
+
+def load_corpus(source: str | Path, split: str = "train") -> str:
+    """Text of a corpus: a local file path, or ``"wikitext2"`` (``wikitext-2-raw-v1``
+    from the Hugging Face hub, rows joined by blank lines as Wanda/SparseGPT do)."""
+    path = Path(source)
+    if path.exists():
+        return path.read_text(encoding="utf-8")
+    if str(source) == "wikitext2":
+        from datasets import load_dataset
+
+        rows = load_dataset("wikitext", "wikitext-2-raw-v1", split=split)["text"]
+        return "\n\n".join(rows)
+    raise FileNotFoundError(f"corpus {source!r} is neither an existing file nor 'wikitext2'")
+
+
+def sample_sequences(
+    token_ids: torch.Tensor | list[int], num_sequences: int, seq_len: int, seed: int = 0
+) -> list[list[int]]:
+    """``num_sequences`` windows of ``seq_len`` consecutive tokens at seeded random
+    offsets (each window lies inside the corpus; windows may overlap, as in SparseGPT).
+    """
+    token_ids = torch.as_tensor(token_ids)
+    if seq_len < 2 or num_sequences < 1:
+        raise ValueError(
+            f"need num_sequences >= 1 and seq_len >= 2, got {num_sequences} x {seq_len}"
+        )
+    if token_ids.numel() < seq_len + 1:
+        raise ValueError(
+            f"corpus has {token_ids.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, token_ids.numel() - seq_len, (num_sequences,), generator=generator)
+    return [token_ids[s : s + seq_len].tolist() for s in starts.tolist()]
+
+
+def calibration_dataset(
+    tokenizer, text: str, num_sequences: int, seq_len: int, seed: int = 0
+) -> Dataset:
+    """A ``datasets.Dataset`` of ``input_ids``/``attention_mask`` rows for ``oneshot``.
+
+    Pass it with ``shuffle_calibration_samples=False`` (and ``batch_size=1``) so the
+    order, and hence every seeded pair permutation, is reproducible.
+    """
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    sequences = sample_sequences(ids, num_sequences, seq_len, seed)
+    return Dataset.from_dict(
+        {"input_ids": sequences, "attention_mask": [[1] * seq_len for _ in sequences]}
+    )

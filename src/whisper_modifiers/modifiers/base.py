@@ -1,0 +1,190 @@
+"""Routing shared by the difference-informed modifiers.
+
+``DifferencePruningBase`` adds to llmcompressor's ``SparsityModifierBase``:
+
+* ``difference_targets`` -- which of the targeted Linear modules get the difference
+  statistic (default: the MLP gate and up projections, paper Section 3); every other
+  targeted module is pruned by the parent's standard method inside the same modifier;
+* seeded pairwise differences formed within each calibration sequence;
+* input validation before any calibration work;
+* module names without llmcompressor 0.14's trailing dot, so that ``ignore: ["lm_head"]``
+  and ``$``-anchored regexes match what users expect.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import torch
+from compressed_tensors.utils import match_named_modules, match_targets
+from llmcompressor.core import Event, State
+from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
+    PRUNABLE_LAYER_TYPES,
+    SparsityModifierBase,
+)
+from loguru import logger
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from whisper_modifiers.statistics import pair_permutations, pairwise_differences
+
+__all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DifferencePruningBase"]
+
+DEFAULT_DIFFERENCE_TARGETS = [r"re:.*mlp\.(gate|up)_proj$"]
+_MASK_STRUCTURE = re.compile(r"^(\d+):(\d+)$")
+
+
+class DifferencePruningBase(SparsityModifierBase):
+    """Fields and routing common to Wisp, Wisp+ and Whisper (see those classes).
+
+    :param difference_targets: module-name patterns (``re:`` prefix for a regex, as in
+        llmcompressor's ``targets``/``ignore``) that get the difference statistic; ``[]``
+        turns every module into the standard method.  Each pattern must match at least
+        one targeted module.
+    :param seed: seed of the pair permutations; the same seed gives the same masks.
+    :param num_permutations: independent permutations per calibration sequence (the
+        paper's ``N = k s`` pairs, Appendix "Sampling approach details"); 1 suffices.
+    :param ignore: as llmcompressor's, but defaults to ``["lm_head"]`` (the paper does
+        not prune the LM head, and tied embeddings would be pruned with it).
+    """
+
+    difference_targets: list[str] = Field(default_factory=lambda: list(DEFAULT_DIFFERENCE_TARGETS))
+    seed: int = 0
+    num_permutations: int = Field(default=1, ge=1)
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+
+    _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
+    _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
+
+    @field_validator("sparsity", mode="after")
+    @classmethod
+    def _validate_sparsity(cls, value):
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if item is None or not 0.0 <= float(item) < 1.0:
+                raise ValueError(
+                    f"sparsity must be a number in [0, 1) (or a list of them), got {value!r}"
+                )
+        return value
+
+    @field_validator("mask_structure", mode="before")
+    @classmethod
+    def _validate_mask_structure(cls, value):
+        match = _MASK_STRUCTURE.match(str(value).strip())
+        if match is None:
+            raise ValueError(
+                f"mask_structure must be 'N:M' with integers 0 < N < M (e.g. '2:4'), or "
+                f"'0:0' for unstructured sparsity; got {value!r}"
+            )
+        n, m = int(match[1]), int(match[2])
+        if (n, m) != (0, 0) and not 0 < n < m:
+            raise ValueError(
+                f"mask_structure 'N:M' needs 0 < N < M (or '0:0' for unstructured); got {value!r}"
+            )
+        return f"{n}:{m}"
+
+    @model_validator(mode="after")
+    def _validate_sparsity_matches_structure(self):
+        n, m = self._split_mask_structure(self.mask_structure)
+        if n and isinstance(self.sparsity, float) and abs(self.sparsity - n / m) > 1e-9:
+            raise ValueError(
+                f"sparsity {self.sparsity} contradicts mask_structure '{n}:{m}', which "
+                f"prunes exactly {n / m}; set sparsity: {n / m}"
+            )
+        return self
+
+    # -- routing ---------------------------------------------------------------------
+
+    def on_calibration_start(self, state: State, event: Event, **kwargs):
+        """Register the calibration hooks (llmcompressor's loop, with clean names)."""
+        modules = []
+        for index, (layer_name, layer) in enumerate(self._target_layers.items()):
+            sparsity = self.sparsity[index] if isinstance(self.sparsity, list) else self.sparsity
+            for name, module in match_named_modules(layer, PRUNABLE_LAYER_TYPES):
+                name = f"{layer_name}.{name}" if name else layer_name
+                if isinstance(module, torch.nn.Embedding) or match_targets(
+                    name, module, self.ignore
+                ):
+                    continue
+                modules.append((name, module, sparsity))
+
+        self._difference_modules = self._select_difference_modules(modules)
+        for name, module, sparsity in modules:
+            if name.endswith("lm_head"):
+                logger.warning(
+                    f"{type(self).__name__} will prune {name}; add it to `ignore` to keep "
+                    "the LM head dense (the paper does not prune it)"
+                )
+            self._module_names[module] = name
+            self._module_sparsities[module] = sparsity
+            self.register_hook(module, self.calibrate_module, "forward")
+        logger.info(
+            f"{type(self).__name__}: difference statistic on "
+            f"{len(self._difference_modules)} of {len(modules)} modules"
+        )
+
+    def _select_difference_modules(self, modules) -> set[torch.nn.Module]:
+        selected = set()
+        for pattern in self.difference_targets:
+            matched = [(n, m) for n, m, _ in modules if match_targets(n, m, [pattern])]
+            if not matched:
+                examples = ", ".join(n for n, _, _ in modules[:8]) or "(none)"
+                raise ValueError(
+                    f"difference_targets pattern {pattern!r} matches none of the "
+                    f"{len(modules)} modules this modifier prunes; some of them: "
+                    f"{examples}. Use 're:' for a regex, e.g. "
+                    f"{DEFAULT_DIFFERENCE_TARGETS[0]!r}"
+                )
+            for name, module in matched:
+                if not isinstance(module, torch.nn.Linear):
+                    raise ValueError(
+                        f"difference_targets pattern {pattern!r} matches {name}, a "
+                        f"{type(module).__name__}; the difference statistics are defined "
+                        "for torch.nn.Linear only"
+                    )
+                selected.add(module)
+        return selected
+
+    def is_difference_module(self, module: torch.nn.Module) -> bool:
+        return module in self._difference_modules
+
+    def sequence_differences(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Pairwise differences of every sequence (batch row) of a hook's input.
+
+        Each row gets its own permutations, seeded by ``(seed, module name, index of the
+        sequence)``, so masks do not depend on batch size or module order.
+
+        :return: ``[b, num_permutations * seq_len, m]`` float32.
+        """
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        name = self._module_names[module]
+        if x.shape[1] < 2:
+            raise ValueError(
+                f"{name} received a calibration sequence of {x.shape[1]} token(s); "
+                f"{type(self).__name__} forms pairs within each sequence and needs at "
+                "least 2 tokens per sequence (raise max_seq_length or drop short samples)"
+            )
+        if not torch.isfinite(x).all():
+            raise ValueError(
+                f"{name} received NaN or inf activations; the calibration statistics "
+                "would be meaningless (check the model dtype and calibration data)"
+            )
+        module_id = zlib.crc32(name.encode())
+        first = self._sequences_seen.get(module, 0)
+        self._sequences_seen[module] = first + x.shape[0]
+        return torch.stack(
+            [
+                pairwise_differences(
+                    sequence,
+                    pair_permutations(
+                        x.shape[1], self.num_permutations, (self.seed, module_id, first + b)
+                    ),
+                )
+                for b, sequence in enumerate(x)
+            ]
+        )
+
+    def _reset_routing(self):
+        self._difference_modules = set()
+        self._sequences_seen = dict()

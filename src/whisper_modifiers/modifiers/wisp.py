@@ -1,0 +1,134 @@
+"""Wisp and Wisp+: Wanda with a difference-informed activation statistic."""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.utils import align_module_device, update_offload_parameter
+from llmcompressor.core import State
+from llmcompressor.modifiers.pruning.wanda import WandaPruningModifier
+from llmcompressor.modifiers.pruning.wanda.wanda_sparsify import make_empty_row_scalars
+from llmcompressor.utils.metric_logging import CompressionLogger
+from loguru import logger
+from pydantic import Field, PrivateAttr
+
+from whisper_modifiers.modifiers.base import DifferencePruningBase
+from whisper_modifiers.solvers import prune_by_score
+from whisper_modifiers.statistics import accumulate_channel_norms, neuronwise_difference
+
+__all__ = ["WispModifier", "WispPlusModifier"]
+
+
+class WispModifier(DifferencePruningBase, WandaPruningModifier):
+    """Wisp: Wanda's no-update pruning with ``S_ij = |W_ij| * ||dX_j||_2`` on the modules
+    matched by ``difference_targets`` (paper Section 3.1), where ``dX = X - X_pi`` are
+    pairwise differences sampled within each calibration sequence.  Every other targeted
+    module is pruned by Wanda (``S_ij = |W_ij| * ||X_j||_2``).  Each output row is pruned
+    to the same sparsity, as Wanda does.
+
+    Sample yaml:
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        WispModifier:
+          sparsity: 0.5
+          mask_structure: "2:4"
+          difference_targets: ['re:.*mlp\\.(gate|up)_proj$']
+          ignore: ["lm_head"]
+          seed: 0
+    ```
+
+    Fields: those of ``WandaPruningModifier`` plus ``difference_targets``, ``seed`` and
+    ``num_permutations`` (see ``DifferencePruningBase``).
+    """
+
+    def calibrate_module(self, module, args, _output):
+        if not self.is_difference_module(module):
+            return super().calibrate_module(module, args, _output)
+        differences = self.sequence_differences(module, args[0])
+        if module not in self._num_samples:
+            self._row_scalars[module] = make_empty_row_scalars(module, differences.device)
+            self._num_samples[module] = 0
+        self._row_scalars[module], self._num_samples[module] = accumulate_channel_norms(
+            self._row_scalars[module], self._num_samples[module], differences
+        )
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        self._reset_routing()
+        return super().on_finalize(state, **kwargs)
+
+
+class WispPlusModifier(DifferencePruningBase, WandaPruningModifier):
+    """Wisp+: Wanda's no-update pruning with the neuronwise difference statistic
+    ``S_ij = |W_ij| * a_ij``, ``a_ij`` = mean of ``|dX_jl|`` over the ``K`` pairs that
+    neuron ``i`` separates most per unit input distance (paper Section 3.2), on the
+    modules matched by ``difference_targets``; Wanda everywhere else.  ``a`` is computed
+    per calibration sequence with the dense layer weights and averaged over sequences.
+
+    Sample yaml:
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        WispPlusModifier:
+          sparsity: 0.5
+          mask_structure: "2:4"
+          pair_fraction: 0.005
+          ignore: ["lm_head"]
+    ```
+
+    :param pair_fraction: ``K / s``, the fraction of a sequence's sampled pairs each
+        neuron keeps (``K = max(1, round(pair_fraction * s))``); 0.005 in the paper.
+    """
+
+    pair_fraction: float = Field(default=0.005, gt=0.0, le=1.0)
+
+    _neuronwise_sums: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
+    _neuronwise_counts: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
+
+    def calibrate_module(self, module, args, _output):
+        if not self.is_difference_module(module):
+            return super().calibrate_module(module, args, _output)
+        differences = self.sequence_differences(module, args[0])
+        self._neuronwise_counts.setdefault(module, 0)
+        with align_module_device(module):
+            for sequence in differences:
+                statistic = neuronwise_difference(module.weight, sequence, self.pair_fraction)
+                if statistic is None:
+                    continue
+                if module in self._neuronwise_sums:
+                    self._neuronwise_sums[module] += statistic
+                else:
+                    self._neuronwise_sums[module] = statistic
+                self._neuronwise_counts[module] += 1
+
+    def compress_modules(self):
+        for module in list(self._neuronwise_counts):
+            name = self._module_names[module]
+            count = self._neuronwise_counts.pop(module)
+            if count == 0:
+                raise ValueError(
+                    f"{name}: every sampled pair of every calibration sequence had zero "
+                    "input distance, so Wisp+ has no pair to select"
+                )
+            statistic = self._neuronwise_sums.pop(module) / count
+            logger.info(f"Sparsifying {name} with Wisp+ using {count} sequences")
+            with torch.no_grad(), align_module_device(module), CompressionLogger(module):
+                weight = module.weight
+                scores = weight.abs().to(statistic.dtype) * statistic.to(weight.device)
+                pruned = prune_by_score(
+                    weight,
+                    scores,
+                    self._module_sparsities[module],
+                    self._prune_n,
+                    self._prune_m,
+                )
+            update_offload_parameter(module, "weight", pruned)
+        super().compress_modules()
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        if self._neuronwise_counts:
+            raise ValueError(f"Failed to compress {len(self._neuronwise_counts)} modules")
+        self._neuronwise_sums = dict()
+        self._reset_routing()
+        return super().on_finalize(state, **kwargs)

@@ -1,0 +1,205 @@
+"""Calibration statistics of the Sparsity Whisperer, as pure torch functions.
+
+Notation follows the paper (Section 3): a linear layer ``W`` is ``n x m`` (``n`` output
+neurons, ``m`` input channels).  The functions here take activations with tokens in
+rows, the way a forward hook sees them (``[tokens, m]``, or ``[sequences, tokens, m]``);
+the paper's ``X`` is the transpose.  Everything is accumulated in float32 whatever the
+input dtype, and nothing here imports llmcompressor.
+
+* ``pairwise_differences`` -- the sampled pairs ``dX = X - X_pi`` of Section 3.1, formed
+  within one calibration sequence (Section 3.4).
+* ``accumulate_channel_norms`` -- the running mean over sequences of ``||X_j||_2^2``
+  (Wanda's statistic on ``X``; Wisp's on ``dX``).
+* ``accumulate_gram`` -- the running ``(2 / num_sequences) * X X^T`` (SparseGPT's Hessian
+  ``H`` on ``X``; the difference Hessian ``H_Delta`` on ``dX``).
+* ``neuronwise_difference`` -- Wisp+'s ``a_ij`` (Section 3.2).
+* ``regularized_difference_hessian`` -- Whisper's ``H~`` (Section 3.3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+STATISTICS_DTYPE = torch.float32
+
+__all__ = [
+    "STATISTICS_DTYPE",
+    "accumulate_channel_norms",
+    "accumulate_gram",
+    "neuronwise_difference",
+    "num_selected_pairs",
+    "pair_permutations",
+    "pairwise_differences",
+    "regularized_difference_hessian",
+]
+
+
+def pair_permutations(seq_len: int, num_permutations: int, seed: Sequence[int]) -> torch.Tensor:
+    """Seeded random permutations ``pi`` of the ``seq_len`` positions of one sequence.
+
+    ``seed`` is a sequence of integers (e.g. the user's seed, a module id and the index
+    of the calibration sequence); it is mixed by numpy's ``SeedSequence`` so that
+    neighbouring seeds give unrelated permutations.  Returns a CPU ``LongTensor`` of
+    shape ``[num_permutations, seq_len]``; the same seed always gives the same rows.
+    """
+    if seq_len < 2:
+        raise ValueError(
+            f"a calibration sequence of length {seq_len} has no pair of distinct tokens; "
+            "pairwise differences need sequences of at least 2 tokens"
+        )
+    if num_permutations < 1:
+        raise ValueError(f"num_permutations must be >= 1, got {num_permutations}")
+    state = np.random.SeedSequence([int(s) for s in seed]).generate_state(2, np.uint32)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed((int(state[0]) << 31) ^ int(state[1]))
+    return torch.stack(
+        [torch.randperm(seq_len, generator=generator) for _ in range(num_permutations)]
+    )
+
+
+def pairwise_differences(x: torch.Tensor, permutations: torch.Tensor) -> torch.Tensor:
+    """``dX = X - X_pi`` for one sequence, in float32 (paper Section 3.1).
+
+    :param x: activations of one sequence, ``[seq_len, m]`` (tokens in rows).
+    :param permutations: ``[num_permutations, seq_len]`` from ``pair_permutations``.
+    :return: ``[num_permutations * seq_len, m]``; row ``k * seq_len + l`` is
+        ``x_l - x_{pi_k(l)}``.
+    """
+    if x.dim() != 2 or permutations.dim() != 2 or permutations.shape[1] != x.shape[0]:
+        raise ValueError(
+            f"expected x [seq_len, m] and permutations [N, seq_len], got "
+            f"{tuple(x.shape)} and {tuple(permutations.shape)}"
+        )
+    x = x.to(STATISTICS_DTYPE)
+    index = permutations.to(x.device).reshape(-1)
+    return x.repeat(permutations.shape[0], 1) - x.index_select(0, index)
+
+
+def _as_sequences(x: torch.Tensor) -> torch.Tensor:
+    """View activations as ``[sequences, tokens, m]`` (a 2-d input is one sequence)."""
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    if x.dim() != 3:
+        raise ValueError(f"expected activations [tokens, m] or [b, tokens, m], got {x.shape}")
+    return x
+
+
+def accumulate_channel_norms(
+    channel_norms: torch.Tensor, num_sequences: int, x: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Running mean over sequences of the squared channel norms ``||X_j||_2^2``.
+
+    This is exactly the statistic llmcompressor's Wanda keeps (its ``row_scalars``),
+    with the same arithmetic, so that the identity input reproduces Wanda bit for bit;
+    Wisp passes ``dX`` instead of ``X``.  Wanda's saliency is
+    ``|W_ij| * sqrt(channel_norms_j)``, and the per-sequence mean only rescales it.
+
+    :param channel_norms: ``[m]`` float32 accumulator (zeros to start).
+    :param num_sequences: sequences accumulated so far.
+    :param x: ``[b, tokens, m]`` (each row one sequence) or ``[tokens, m]``.
+    """
+    x = _as_sequences(x)
+    num_added = x.shape[0]
+    channel_norms *= num_sequences / (num_sequences + num_added)
+    num_sequences += num_added
+    x = x.reshape(-1, x.shape[-1]).t().to(STATISTICS_DTYPE)
+    channel_norms += torch.norm(x, p=2, dim=1) ** 2 / num_sequences
+    return channel_norms, num_sequences
+
+
+def accumulate_gram(
+    gram: torch.Tensor, num_sequences: int, x: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Running ``(2 / num_sequences) * X X^T`` over sequences, as SparseGPT keeps ``H``.
+
+    The same arithmetic as llmcompressor's ``accumulate_hessian``, so ``X`` gives
+    SparseGPT's Hessian ``H = X X^T`` bit for bit, and ``dX`` gives the difference
+    Hessian ``H_Delta = dX dX^T`` (paper Section 3.3) on the same scale convention.
+
+    :param gram: ``[m, m]`` float32 accumulator (zeros to start).
+    """
+    x = _as_sequences(x)
+    num_added = x.shape[0]
+    gram *= num_sequences / (num_sequences + num_added)
+    num_sequences += num_added
+    x = x.reshape(-1, x.shape[-1]).t().to(STATISTICS_DTYPE)
+    x = math.sqrt(2 / num_sequences) * x
+    gram += x.matmul(x.t())
+    return gram, num_sequences
+
+
+def num_selected_pairs(num_pairs: int, pair_fraction: float) -> int:
+    """Wisp+'s ``K = max(1, round(pair_fraction * s))`` for ``s`` sampled pairs."""
+    return max(1, round(pair_fraction * num_pairs))
+
+
+def neuronwise_difference(
+    weight: torch.Tensor,
+    differences: torch.Tensor,
+    pair_fraction: float = 0.005,
+    neuron_chunk: int = 4096,
+) -> torch.Tensor | None:
+    """Wisp+'s neuronwise difference statistic ``a`` for one sequence (Section 3.2).
+
+    For neuron ``i`` and pair ``l``: ``r_il = |w_i . dX_l| / ||dX_l||_2`` (pairs with zero
+    distance are skipped), ``P_i`` = the ``K`` pairs of largest ``r_il`` with
+    ``K = max(1, round(pair_fraction * s))``, and
+    ``a_ij = (1 / |P_i|) sum_{l in P_i} |dX_jl|`` (an l1 mean).  The saliency is
+    ``S_ij = |W_ij| * a_ij``.
+
+    The selection is applied as a dense ``[chunk, s]`` matrix with ``1 / |P_i|`` at the
+    selected pairs, multiplied by ``|dX|``: one GEMM per chunk of neurons, so memory stays
+    ``O(chunk * (s + m))`` and no ``n x K x m`` tensor is ever formed.
+
+    :param weight: ``[n, m]`` layer weight (any dtype; used in float32).
+    :param differences: ``[s, m]`` pairwise differences of one sequence.
+    :return: ``[n, m]`` float32, or ``None`` when every pair has zero distance (the
+        sequence carries no difference information).
+    """
+    differences = differences.to(STATISTICS_DTYPE)
+    distances = torch.linalg.vector_norm(differences, dim=1)
+    valid = distances > 0
+    num_valid = int(valid.sum())
+    if num_valid == 0:
+        return None
+    k = min(num_selected_pairs(differences.shape[0], pair_fraction), num_valid)
+    differences, distances = differences[valid], distances[valid]
+    abs_differences = differences.abs()
+    weight = weight.to(device=differences.device, dtype=STATISTICS_DTYPE)
+
+    statistic = torch.empty_like(weight)
+    for start in range(0, weight.shape[0], neuron_chunk):
+        rows = weight[start : start + neuron_chunk]
+        separation = (rows @ differences.t()).abs_() / distances  # r, [chunk, s]
+        selected = separation.topk(k, dim=1).indices
+        selection = torch.zeros_like(separation).scatter_(1, selected, 1.0 / k)
+        statistic[start : start + neuron_chunk] = selection @ abs_differences
+    return statistic
+
+
+def regularized_difference_hessian(
+    hessian: torch.Tensor, difference_hessian: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """Whisper's ``H~ = gamma H + (1 - gamma) (mu / mu_Delta) H_Delta`` (Section 3.3).
+
+    ``mu = tr(H) / m`` and ``mu_Delta = tr(H_Delta) / m``, so the difference Hessian is
+    rescaled to the average diagonal of ``H`` before mixing; ``tr(H~) = tr(H)``.
+    ``gamma = 1`` returns ``H`` itself (SparseGPT); ``gamma = 0`` the rescaled
+    ``H_Delta`` alone.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+    if gamma == 1.0:
+        return hessian
+    mu = torch.trace(hessian) / hessian.shape[0]
+    mu_delta = torch.trace(difference_hessian) / difference_hessian.shape[0]
+    if not mu_delta > 0:
+        raise ValueError(
+            "the difference Hessian is zero (all sampled pairs have identical inputs); "
+            "Whisper needs calibration sequences whose tokens differ"
+        )
+    return gamma * hessian + (1.0 - gamma) * (mu / mu_delta) * difference_hessian

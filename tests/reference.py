@@ -1,0 +1,69 @@
+"""Slow reference implementations written straight from the paper's equations.
+
+Everything here loops over pairs, neurons and channels in float64 so that it reads like
+the paper's pseudocode (Appendix "Pseudocode"); the package's vectorised code is tested
+against it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def loop_differences(x, perms):
+    """dX[:, k*s + l] = x_l - x_{pi_k(l)}, one pair at a time (paper Section 3.1)."""
+    s, m = x.shape
+    out = torch.empty(len(perms) * s, m, dtype=torch.float64)
+    for k, perm in enumerate(perms):
+        for ell in range(s):
+            out[k * s + ell] = x[ell].double() - x[int(perm[ell])].double()
+    return out
+
+
+def loop_channel_norms(batches):
+    """mean over sequences of ||X_j||_2^2, from scratch in float64."""
+    sequences = [seq for batch in batches for seq in batch]
+    total = torch.zeros(sequences[0].shape[-1], dtype=torch.float64)
+    for seq in sequences:
+        for j in range(seq.shape[-1]):
+            total[j] += sum(float(v) ** 2 for v in seq[:, j].double())
+    return total / len(sequences)
+
+
+def loop_neuronwise(weight, differences, pair_fraction):
+    """Wisp+ pseudocode (paper Appendix), one neuron and one pair at a time."""
+    weight, differences = weight.double(), differences.double()
+    s = differences.shape[0]
+    k = max(1, round(pair_fraction * s))
+    distances = [math.sqrt(sum(float(v) ** 2 for v in differences[ell])) for ell in range(s)]
+    out = torch.zeros(weight.shape, dtype=torch.float64)
+    for i in range(weight.shape[0]):
+        r = [
+            (abs(float(weight[i] @ differences[ell])) / distances[ell], ell)
+            for ell in range(s)
+            if distances[ell] > 0
+        ]
+        chosen = [ell for _, ell in sorted(r, reverse=True)[:k]]
+        for j in range(weight.shape[1]):
+            out[i, j] = sum(abs(float(differences[ell, j])) for ell in chosen) / len(chosen)
+    return out
+
+
+def loop_hessian(sequences):
+    """sum over tokens of x x^T (float64)."""
+    m = sequences[0].shape[-1]
+    out = torch.zeros(m, m, dtype=torch.float64)
+    for seq in sequences:
+        for x in seq.double():
+            out += torch.outer(x, x)
+    return out
+
+
+def loop_regularized_hessian(hessian, difference_hessian, gamma):
+    """H~ = gamma H + (1 - gamma) (mu / mu_Delta) H_Delta, mu = tr(H) / m."""
+    m = hessian.shape[0]
+    mu = sum(float(hessian[j, j]) for j in range(m)) / m
+    mu_delta = sum(float(difference_hessian[j, j]) for j in range(m)) / m
+    return gamma * hessian + (1 - gamma) * (mu / mu_delta) * difference_hessian
