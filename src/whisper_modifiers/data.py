@@ -13,21 +13,66 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-__all__ = ["calibration_dataset", "load_corpus", "sample_sequences"]
+__all__ = [
+    "CORPORA",
+    "calibration_dataset",
+    "embedded_text",
+    "load_corpus",
+    "sample_sequences",
+]
+
+CORPORA = ("embedded", "wikitext2", "c4")
+_C4_SHARDS = {  # the shards SparseGPT and Wanda use
+    "train": "en/c4-train.00000-of-01024.json.gz",
+    "validation": "en/c4-validation.00000-of-00008.json.gz",
+}
+
+
+def embedded_text(part: str) -> str:
+    """Real English text that ships with every CPython: the Python Language Reference
+    topics of the standard library's ``pydoc_data`` (about 465 KB, PSF license).
+
+    ``part="train"`` is four topics out of five (by sorted name), ``"test"`` the fifth,
+    so calibration and evaluation text never overlap.
+    """
+    from pydoc_data.topics import topics
+
+    if part not in ("train", "test"):
+        raise ValueError(f"part must be 'train' or 'test', got {part!r}")
+    keys = sorted(topics)
+    chosen = [k for i, k in enumerate(keys) if (i % 5 == 0) == (part == "test")]
+    return "\n\n".join(topics[k] for k in chosen)
 
 
 def load_corpus(source: str | Path, split: str = "train") -> str:
-    """Text of a corpus: a local file path, or ``"wikitext2"`` (``wikitext-2-raw-v1``
-    from the Hugging Face hub, rows joined by blank lines as Wanda/SparseGPT do)."""
-    path = Path(source)
-    if path.exists():
-        return path.read_text(encoding="utf-8")
-    if str(source) == "wikitext2":
+    """Text of a corpus.
+
+    :param source: a local text file; ``"embedded"`` (``embedded_text``, works offline);
+        ``"wikitext2"`` (``wikitext-2-raw-v1`` from the Hugging Face hub, rows joined by
+        blank lines as Wanda/SparseGPT do); or ``"c4"`` (the first ``allenai/c4`` shard
+        of the split, first 20,000 documents).
+    :param split: ``"train"``, ``"test"`` or ``"validation"`` for the named corpora.
+    """
+    source = str(source)
+    if source == "embedded":
+        return embedded_text("test" if split == "test" else "train")
+    if source == "wikitext2":
         from datasets import load_dataset
 
         rows = load_dataset("wikitext", "wikitext-2-raw-v1", split=split)["text"]
         return "\n\n".join(rows)
-    raise FileNotFoundError(f"corpus {source!r} is neither an existing file nor 'wikitext2'")
+    if source == "c4":
+        from datasets import load_dataset
+
+        shard = _C4_SHARDS["train" if split == "train" else "validation"]
+        rows = load_dataset("allenai/c4", data_files={"x": shard}, split="x")["text"]
+        return "\n\n".join(rows[:20_000])
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise FileNotFoundError(
+        f"corpus {source!r} is neither a readable file nor one of {', '.join(CORPORA)}"
+    )
 
 
 def sample_sequences(

@@ -1,12 +1,40 @@
-"""Perplexity with the protocol of Wanda/SparseGPT: non-overlapping windows, exp(mean NLL)."""
+"""Evaluation: WikiText-2 perplexity (Wanda/SparseGPT protocol) and lm-eval tasks."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-__all__ = ["perplexity"]
+__all__ = ["PAPER_TASKS", "downstream", "perplexity", "wikitext2_test_text"]
+
+# The paper's suite (Open LLM Leaderboard v1-like): task -> number of few-shot examples.
+PAPER_TASKS = {
+    "arc_challenge": 25,
+    "mathqa": 0,
+    "hellaswag": 10,
+    "mmlu": 5,
+    "truthfulqa_mc2": 0,
+    "winogrande": 5,
+}
+
+
+def wikitext2_test_text(rows_json: str | Path | None = None) -> str:
+    """WikiText-2 raw test text, ``"\\n\\n".join(rows)`` as Wanda/SparseGPT evaluate it.
+
+    :param rows_json: a local JSON list of the split's rows (e.g.
+        ``shared/data/wikitext-2-raw-v1/test_rows.json``); ``None`` reads the hub dataset.
+    """
+    if rows_json is not None:
+        rows = json.loads(Path(rows_json).read_text(encoding="utf-8"))
+    else:
+        from datasets import load_dataset
+
+        rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
+    return "\n\n".join(rows)
 
 
 @torch.no_grad()
@@ -16,11 +44,13 @@ def perplexity(
     seq_len: int,
     max_windows: int | None = None,
     bos_token_id: int | None = None,
+    progress: bool = False,
 ) -> float:
     """Perplexity of ``model`` on consecutive non-overlapping windows of ``seq_len``
     tokens (the incomplete tail is dropped): ``exp`` of the mean next-token negative
     log-likelihood over every predicted token.  With ``bos_token_id`` each window
     starts with BOS followed by ``seq_len - 1`` corpus tokens (Gemma needs it).
+    ``max_windows`` evaluates only the first windows.
     """
     token_ids = torch.as_tensor(token_ids).reshape(-1)
     body = seq_len - (bos_token_id is not None)
@@ -31,7 +61,7 @@ def perplexity(
         raise ValueError(f"{token_ids.numel()} tokens make no window of {seq_len}")
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
-    for w in range(num_windows):
+    for w in tqdm(range(num_windows), desc="perplexity", disable=not progress):
         window = token_ids[w * body : (w + 1) * body]
         if bos_token_id is not None:
             window = torch.cat([torch.tensor([bos_token_id]), window])
@@ -41,3 +71,42 @@ def perplexity(
         total_nll += nll.item()
         total_tokens += window.shape[1] - 1
     return math.exp(total_nll / total_tokens)
+
+
+def downstream(
+    model,
+    tokenizer,
+    tasks: dict[str, int] | None = None,
+    limit: int | float | None = None,
+    include_path: str | Path | None = None,
+    batch_size: int = 1,
+) -> dict[str, dict[str, float]]:
+    """Zero/few-shot accuracy with lm-evaluation-harness (``lm_eval``).
+
+    :param tasks: task name -> few-shot count; default the paper's suite
+        (``PAPER_TASKS``; the datasets come from the Hugging Face hub).
+    :param limit: examples per task (``lm_eval``'s ``limit``), for quick runs.
+    :param include_path: a folder of extra task YAML files (e.g. local tasks).
+    :return: task -> metric -> value (lm_eval's ``results`` with the ``,none`` filter
+        suffix removed).
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    tasks = dict(PAPER_TASKS if tasks is None else tasks)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    results = {}
+    for shots in sorted(set(tasks.values())):  # lm_eval takes one few-shot count per call
+        names = [task for task, n in tasks.items() if n == shots]
+        out = simple_evaluate(
+            model=lm, tasks=names, num_fewshot=shots, limit=limit, task_manager=manager
+        )
+        for task, metrics in out["results"].items():
+            results[task] = {
+                key.split(",")[0]: value
+                for key, value in metrics.items()
+                if isinstance(value, (int, float)) and not key.startswith("alias")
+            }
+    return results

@@ -1,0 +1,129 @@
+"""Calibration sampling, perplexity against hand-computed values, lm-eval offline."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import CALIBRATION_TEXT, load_model
+from whisper_modifiers.data import (
+    calibration_dataset,
+    embedded_text,
+    load_corpus,
+    sample_sequences,
+)
+from whisper_modifiers.evaluation import downstream, perplexity, wikitext2_test_text
+
+
+def test_sampled_sequences_are_contiguous_windows_and_seeded():
+    corpus = list(range(1000, 1500))
+    a = sample_sequences(corpus, 20, 32, seed=1)
+    assert a == sample_sequences(corpus, 20, 32, seed=1)
+    assert a != sample_sequences(corpus, 20, 32, seed=2)
+    for window in a:
+        assert len(window) == 32
+        start = window[0] - 1000  # a window is one contiguous slice of the corpus
+        assert window == corpus[start : start + 32]
+
+
+def test_sampling_errors():
+    with pytest.raises(ValueError, match="seq_len"):
+        sample_sequences(list(range(10)), 1, 1)
+    with pytest.raises(ValueError, match="fewer than"):
+        sample_sequences(list(range(10)), 1, 10)
+
+
+def test_calibration_dataset_rows_are_unpadded_sequences(tokenizer):
+    text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:20_000]
+    ds = calibration_dataset(tokenizer, text, 5, 48, seed=0)
+    assert len(ds) == 5
+    assert all(len(r) == 48 for r in ds["input_ids"])
+    assert all(sum(m) == 48 for m in ds["attention_mask"])
+    assert ds["input_ids"] == calibration_dataset(tokenizer, text, 5, 48, seed=0)["input_ids"]
+
+
+def test_embedded_text_is_offline_and_split():
+    train, test = embedded_text("train"), embedded_text("test")
+    assert len(train) > 300_000 and len(test) > 50_000
+    assert test[:2000] not in train
+    assert load_corpus("embedded", "test") == test
+    with pytest.raises(FileNotFoundError, match="neither a readable file"):
+        load_corpus("no-such-corpus")
+
+
+class Bigram(torch.nn.Module):
+    """A tiny model with known next-token probabilities."""
+
+    def __init__(self, probabilities):
+        super().__init__()
+        self.log_probs = torch.nn.Parameter(torch.tensor(probabilities).log())
+
+    def forward(self, ids):
+        return type("Out", (), {"logits": self.log_probs[ids]})()
+
+
+def test_perplexity_by_hand():
+    model = Bigram([[0.25, 0.75], [0.5, 0.5]])  # p(1|0) = 0.75, p(0|1) = 0.5
+    tokens = [0, 1, 0, 1, 0, 1, 0, 1, 0]  # two windows of 4 (the tail is dropped)
+    expected = (0.75 * 0.5 * 0.75) ** (-1 / 3)
+    assert perplexity(model, tokens, 4) == pytest.approx(expected, rel=1e-6)
+    assert perplexity(model, tokens, 4, max_windows=1) == pytest.approx(expected, rel=1e-6)
+    # BOS windows: [bos=1] + 3 tokens: 1->0 (0.5), 0->1 (0.75), 1->0 (0.5)
+    assert perplexity(model, tokens, 4, bos_token_id=1) == pytest.approx(
+        (0.5 * 0.75 * 0.5) ** (-1 / 3), rel=1e-6
+    )
+    with pytest.raises(ValueError, match="no window"):
+        perplexity(model, tokens[:3], 4)
+
+
+def test_wikitext2_rows_file(tmp_path):
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps(["a", " = b = ", "c"]))
+    assert wikitext2_test_text(rows) == "a\n\n = b = \n\nc"
+
+
+def test_lm_eval_local_task(tmp_path, tokenizer):
+    """A local multiple-choice task: lm_eval's accuracy equals our own argmax of the
+    summed continuation log-likelihoods."""
+    docs = [
+        {"question": "Once upon a time there was a little", "choices": ["girl", "car"], "gold": 0},
+        {"question": "The dog said", "choices": ["woof", "table"], "gold": 0},
+        {"question": "She was very", "choices": ["happy", "seven"], "gold": 1},
+        {"question": "They went to the", "choices": ["park", "blue"], "gold": 0},
+    ]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps(d) for d in docs))
+    (tmp_path / "tiny.yaml").write_text(
+        f"""task: tiny_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: gold
+metric_list:
+  - metric: acc
+"""
+    )
+    model = load_model()
+    results = downstream(model, tokenizer, tasks={"tiny_local": 0}, include_path=tmp_path)
+    expected = 0
+    for doc in docs:
+        scores = []
+        for choice in doc["choices"]:
+            context = tokenizer(doc["question"])["input_ids"]
+            whole = tokenizer(doc["question"] + " " + choice)["input_ids"]
+            with torch.no_grad():
+                logp = model(torch.tensor([whole])).logits[0].log_softmax(-1)
+            scores.append(
+                sum(float(logp[t - 1, whole[t]]) for t in range(len(context), len(whole)))
+            )
+        expected += int(max(range(2), key=scores.__getitem__) == doc["gold"])
+    assert 0 < expected < len(docs)  # a task the model neither aces nor fails
+    assert math.isclose(results["tiny_local"]["acc"], expected / len(docs))
