@@ -17,7 +17,12 @@ from reference import (
     loop_neuronwise,
     loop_regularized_hessian,
 )
-from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
+from whisper_modifiers import (
+    OneShotMagnitudeModifier,
+    WhisperModifier,
+    WispModifier,
+    WispPlusModifier,
+)
 from whisper_modifiers.statistics import pair_permutations
 
 TWO_FOUR = {"sparsity": 0.5, "mask_structure": "2:4"}
@@ -282,3 +287,28 @@ def test_nan_activations(run_oneshot):
         model.model.layers[0].post_attention_layernorm.weight[0] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
         run_oneshot([WispModifier(**TWO_FOUR)], model=model)
+
+
+# -- magnitude baseline ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("structure", [TWO_FOUR, {"sparsity": 0.65}])
+def test_magnitude_prunes_smallest_weights(run_oneshot, structure):
+    dense = linear_weights(load_model())
+    pruned = linear_weights(run_oneshot([OneShotMagnitudeModifier(**structure)]))
+    assert torch.equal(pruned["lm_head"], dense["lm_head"])
+    for name, weight in pruned.items():
+        if name == "lm_head":
+            continue
+        w = dense[name]
+        if structure.get("mask_structure") == "2:4":
+            groups = w.abs().reshape(w.shape[0], -1, 4)
+            expected = torch.zeros_like(groups, dtype=torch.bool)
+            expected.scatter_(-1, groups.topk(2, -1, largest=False).indices, True)
+            expected = expected.reshape(w.shape)
+        else:
+            k = int(w.shape[1] * 0.65)
+            expected = torch.zeros_like(w, dtype=torch.bool)
+            expected.scatter_(1, w.abs().argsort(dim=1, stable=True)[:, :k], True)
+        assert torch.equal(weight == 0, expected), name
+        assert torch.equal(weight[~expected], w[~expected])  # survivors unchanged

@@ -15,7 +15,7 @@ from conftest import HELDOUT_TEXT, MODEL_DIR, RECIPES, linear_weights
 from whisper_modifiers.evaluation import perplexity
 
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
-METHODS = ["wanda", "wisp", "wisp_plus", "sparsegpt", "whisper"]
+METHODS = ["magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper"]
 
 
 def test_every_method_has_every_sparsity():

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 import zlib
 
 import torch
@@ -24,17 +23,17 @@ from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
     SparsityModifierBase,
 )
 from loguru import logger
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr
 
+from whisper_modifiers.modifiers.validation import SparsityValidation
 from whisper_modifiers.statistics import pair_permutations, pairwise_differences
 
 __all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DifferencePruningBase"]
 
 DEFAULT_DIFFERENCE_TARGETS = [r"re:.*mlp\.(gate|up)_proj$"]
-_MASK_STRUCTURE = re.compile(r"^(\d+):(\d+)$")
 
 
-class DifferencePruningBase(SparsityModifierBase):
+class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     """Fields and routing common to Wisp, Wisp+ and Whisper (see those classes).
 
     :param difference_targets: module-name patterns (``re:`` prefix for a regex, as in
@@ -55,43 +54,6 @@ class DifferencePruningBase(SparsityModifierBase):
 
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
-
-    @field_validator("sparsity", mode="after")
-    @classmethod
-    def _validate_sparsity(cls, value):
-        values = value if isinstance(value, list) else [value]
-        for item in values:
-            if item is None or not 0.0 <= float(item) < 1.0:
-                raise ValueError(
-                    f"sparsity must be a number in [0, 1) (or a list of them), got {value!r}"
-                )
-        return value
-
-    @field_validator("mask_structure", mode="before")
-    @classmethod
-    def _validate_mask_structure(cls, value):
-        match = _MASK_STRUCTURE.match(str(value).strip())
-        if match is None:
-            raise ValueError(
-                f"mask_structure must be 'N:M' with integers 0 < N < M (e.g. '2:4'), or "
-                f"'0:0' for unstructured sparsity; got {value!r}"
-            )
-        n, m = int(match[1]), int(match[2])
-        if (n, m) != (0, 0) and not 0 < n < m:
-            raise ValueError(
-                f"mask_structure 'N:M' needs 0 < N < M (or '0:0' for unstructured); got {value!r}"
-            )
-        return f"{n}:{m}"
-
-    @model_validator(mode="after")
-    def _validate_sparsity_matches_structure(self):
-        n, m = self._split_mask_structure(self.mask_structure)
-        if n and isinstance(self.sparsity, float) and abs(self.sparsity - n / m) > 1e-9:
-            raise ValueError(
-                f"sparsity {self.sparsity} contradicts mask_structure '{n}:{m}', which "
-                f"prunes exactly {n / m}; set sparsity: {n / m}"
-            )
-        return self
 
     # -- routing ---------------------------------------------------------------------
 

@@ -1,0 +1,59 @@
+"""One-shot magnitude pruning: the calibration-free baseline (``S_ij = |W_ij|``)."""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.utils import (
+    align_module_device,
+    match_named_modules,
+    update_offload_parameter,
+)
+from llmcompressor.core import State
+from llmcompressor.modifiers.modifier import Modifier
+from loguru import logger
+from pydantic import Field
+
+from whisper_modifiers.modifiers.validation import SparsityValidation, parse_mask_structure
+from whisper_modifiers.solvers import prune_by_score
+
+__all__ = ["OneShotMagnitudeModifier"]
+
+
+class OneShotMagnitudeModifier(SparsityValidation, Modifier):
+    """Prune every targeted Linear to ``sparsity`` by weight magnitude, per output row
+    (unstructured) or per group of ``M`` inputs (N:M), at initialisation; needs no
+    calibration data.  (llmcompressor's ``MagnitudePruningModifier`` is a training-time
+    schedule; this is the one-shot baseline of the paper's tables.)
+
+    Sample yaml:
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        OneShotMagnitudeModifier:
+          sparsity: 0.5
+          mask_structure: "2:4"
+          ignore: ["lm_head"]
+    ```
+    """
+
+    sparsity: float
+    mask_structure: str = "0:0"
+    targets: str | list[str] = ["Linear"]
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+
+    def on_initialize(self, state: State, **kwargs) -> bool:
+        n, m = parse_mask_structure(self.mask_structure)
+        pruned = 0
+        for _name, module in match_named_modules(state.model, self.targets, self.ignore):
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            with torch.no_grad(), align_module_device(module):
+                weight = module.weight
+                scores = weight.abs().float()
+                update_offload_parameter(
+                    module, "weight", prune_by_score(weight, scores, self.sparsity, n, m)
+                )
+            pruned += 1
+        logger.info(f"OneShotMagnitudeModifier pruned {pruned} Linear modules")
+        return True
