@@ -57,6 +57,8 @@ def calibration_inputs(inputs):
 
 
 def permutations_used(name, index, seq_len, seed=0, num_permutations=1):
+    """The pairs a module used: up_proj shares gate_proj's input, hence its pairs."""
+    name = name.replace("up_proj", "gate_proj")
     return pair_permutations(seq_len, num_permutations, (seed, zlib.crc32(name.encode()), index))
 
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import weakref
 import zlib
 
 import torch
@@ -54,6 +55,8 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
 
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
+    _pair_sources: dict[torch.nn.Module, torch.nn.Module] = PrivateAttr(default_factory=dict)
+    _last_differences: tuple | None = PrivateAttr(default=None)
 
     # -- routing ---------------------------------------------------------------------
 
@@ -114,13 +117,34 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         """Pairwise differences of every sequence (batch row) of a hook's input.
 
         Each row gets its own permutations, seeded by ``(seed, module name, index of the
-        sequence)``, so masks do not depend on batch size or module order.
+        sequence)``, so masks do not depend on batch size or module order.  Modules that
+        receive the very same input tensor in one forward pass (a gate and an up
+        projection) share the pairs of the first of them: the differences are computed
+        once, and ``pair_source`` tells which module they were drawn for.
 
         :return: ``[b, num_permutations * seq_len, m]`` float32.
         """
+        cached = self._last_differences
+        if cached is not None and cached[0]() is x and cached[1] == x._version:
+            source, differences = cached[2], cached[3]
+        else:
+            source, differences = module, self._draw_differences(module, x)
+            self._last_differences = (weakref.ref(x), x._version, module, differences)
+        if self._pair_sources.setdefault(module, source) is not source:
+            raise RuntimeError(
+                f"{self._module_names[module]} shared its input with "
+                f"{self._module_names[source]} in one batch but not in another"
+            )
+        return differences
+
+    def pair_source(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module whose pairs ``module`` uses (itself unless its input is shared)."""
+        return self._pair_sources[module]
+
+    def _draw_differences(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        name = self._module_names[module]
         if x.dim() == 2:
             x = x.unsqueeze(0)
-        name = self._module_names[module]
         if x.shape[1] < 2:
             raise ValueError(
                 f"{name} received a calibration sequence of {x.shape[1]} token(s); "
@@ -147,6 +171,12 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
             ]
         )
 
+    def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
+        self._last_differences = None  # the layer is done: release its last batch
+        super().on_sequential_epoch_end(state, event, **kwargs)
+
     def _reset_routing(self):
         self._difference_modules = set()
         self._sequences_seen = dict()
+        self._pair_sources = dict()
+        self._last_differences = None

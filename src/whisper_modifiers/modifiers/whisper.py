@@ -46,10 +46,12 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     _difference_samples: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
 
     def calibrate_module(self, module, args, _output):
-        super().calibrate_module(module, args, _output)
         if not self.is_difference_module(module):
-            return
+            return super().calibrate_module(module, args, _output)
         differences = self.sequence_differences(module, args[0])
+        if self.pair_source(module) is not module:
+            return  # same input and pairs as its source: H and H_Delta are the source's
+        super().calibrate_module(module, args, _output)
         device = get_execution_device(module)
         if module not in self._difference_hessians:
             self._difference_hessians[module] = make_empty_hessian(module, device=device)
@@ -63,9 +65,15 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         self._difference_samples[module] = count
 
     def compress_modules(self):
+        """Form ``H~`` for each difference module, then run SparseGPT's solver on all."""
+        for module, source in self._pair_sources.items():
+            if source is not module and source in self._difference_hessians:  # this layer
+                self._hessians[module] = self._hessians[source].clone()
+                self._num_samples[module] = self._num_samples[source]
+                self._difference_hessians[module] = self._difference_hessians[source]
         for module in list(self._difference_hessians):
             difference_hessian = self._difference_hessians.pop(module)
-            del self._difference_samples[module]
+            self._difference_samples.pop(module, None)
             hessian = self._hessians[module]
             self._hessians[module] = regularized_difference_hessian(
                 hessian, difference_hessian.to(hessian.device), self.gamma

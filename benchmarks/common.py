@@ -1,0 +1,163 @@
+"""Shared by the benchmarks: the models, one pruning run, result tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("LLM_COMPRESSOR_LOG_DISABLED", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("WHISPER_MODIFIERS_SHARED", REPO.parent / "shared"))
+RESULTS = REPO / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model and its default calibration and evaluation protocol."""
+
+    name: str
+    source: str  # local dir, hub id, or "embedded"
+    calibration: str  # corpus for whisper_modifiers.data.load_corpus
+    evaluation: str  # a text file, WikiText-2 rows JSON, or "wikitext2"
+    num_sequences: int
+    seq_len: int
+    eval_seq_len: int
+    eval_windows: int | None
+
+
+def model_specs() -> dict[str, ModelSpec]:
+    wikitext_valid = SHARED / "data" / "wikitext-2" / "valid.txt"
+    wikitext_test = SHARED / "data" / "wikitext-2-raw-v1" / "test_rows.json"
+    calibration = str(wikitext_valid) if wikitext_valid.exists() else "wikitext2"
+    evaluation = str(wikitext_test) if wikitext_test.exists() else "wikitext2"
+    return {
+        "stories260K": ModelSpec(
+            "stories260K",
+            str(SHARED / "models" / "stories260K"),
+            calibration,
+            str(SHARED / "data" / "tinystories" / "sample.txt"),
+            64,
+            256,
+            256,
+            None,
+        ),
+        "smollm2-135m": ModelSpec(
+            "smollm2-135m", "embedded", calibration, evaluation, 32, 512, 1024, 16
+        ),
+    }
+
+
+def load(spec: ModelSpec):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from whisper_modifiers.models import resolve_model
+
+    path = resolve_model(None if spec.source == "embedded" else spec.source)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
+
+
+def evaluation_ids(spec: ModelSpec, tokenizer) -> list[int]:
+    from whisper_modifiers.data import load_corpus
+    from whisper_modifiers.evaluation import wikitext2_test_text
+
+    if spec.evaluation == "wikitext2" or spec.evaluation.endswith(".json"):
+        text = wikitext2_test_text(None if spec.evaluation == "wikitext2" else spec.evaluation)
+    else:
+        text = load_corpus(spec.evaluation, split="test")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def calibration_set(spec: ModelSpec, tokenizer, seed: int, num_sequences=None, seq_len=None):
+    from whisper_modifiers.data import calibration_dataset, load_corpus
+
+    return calibration_dataset(
+        tokenizer,
+        load_corpus(spec.calibration, split="train"),
+        num_sequences or spec.num_sequences,
+        seq_len or spec.seq_len,
+        seed=seed,
+    )
+
+
+class PeakMemory:
+    """Peak resident memory above the level at entry, sampled every 5 ms (CPU), or
+    ``torch.cuda.max_memory_allocated`` above the level at entry (CUDA)."""
+
+    def __enter__(self):
+        import psutil
+        import torch
+
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+            return self
+        self.process = psutil.Process()
+        self.start = self.peak = self.process.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.cuda:
+            self.bytes = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.running = False
+            self.thread.join()
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            self.bytes = self.peak - self.start
+
+
+def prune(model, tokenizer, dataset, recipe) -> tuple[float, int]:
+    """Run ``oneshot``; returns (wall seconds, peak extra memory in bytes)."""
+    from llmcompressor import oneshot
+
+    with PeakMemory() as memory:
+        start = time.perf_counter()
+        oneshot(
+            model=model,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            recipe=recipe,
+            num_calibration_samples=len(dataset),
+            max_seq_length=len(dataset[0]["input_ids"]),
+            shuffle_calibration_samples=False,
+        )
+        seconds = time.perf_counter() - start
+    return seconds, memory.bytes
+
+
+def mean_sem(values: list[float]) -> tuple[float, float]:
+    mean = statistics.fmean(values)
+    sem = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return mean, sem
+
+
+def write_json(path: Path, payload) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def quiet_logs() -> None:
+    """Keep llmcompressor's per-module INFO/METRIC lines out of benchmark output."""
+    from loguru import logger
+
+    logger.disable("llmcompressor")

@@ -1,0 +1,214 @@
+"""Quality benchmark: perplexity and pruning time, methods x sparsities x models.
+
+    python benchmarks/quality.py                       # SmolLM2-135M + stories260K, 2:4, 3 seeds
+    python benchmarks/quality.py --sparsities 2:4 0.5 0.65 --sweep
+    python benchmarks/quality.py --models smollm2-135m --paper-protocol   # bigger machines
+
+Each (model, method, sparsity) runs with ``--seeds`` seeds (seed = calibration sample and
+pair permutation); the table reports mean +- standard error. Writes
+``quality.json``, ``quality.md``, ``perplexity_vs_sparsity.png`` (paper Figure 1) and
+``perplexity_vs_time.png`` (paper Figure 3, with the Pareto front) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    RESULTS,
+    calibration_set,
+    evaluation_ids,
+    load,
+    mean_sem,
+    model_specs,
+    prune,
+    quiet_logs,
+    write_json,
+)
+
+SWEEP = ["0.5", "0.55", "0.6", "0.65", "0.7", "0.75"]
+
+
+def parse_sparsity(label: str) -> tuple[float, str]:
+    if ":" in label:
+        n, m = (int(x) for x in label.split(":"))
+        return n / m, label
+    return float(label), "0:0"
+
+
+def main(argv=None) -> int:
+    from whisper_modifiers.methods import MAIN_METHODS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["stories260K", "smollm2-135m"])
+    parser.add_argument("--methods", nargs="+", default=list(MAIN_METHODS))
+    parser.add_argument("--sparsities", nargs="+", default=["2:4"])
+    parser.add_argument("--sweep", action="store_true", help=f"add {', '.join(SWEEP)}")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--num-sequences", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--eval-windows", type=int, default=None, help="0 = all windows")
+    parser.add_argument(
+        "--paper-protocol",
+        action="store_true",
+        help="128 x 4096 WikiText-2 train calibration, full WikiText-2 test (hub access)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    quiet_logs()
+
+    from whisper_modifiers.evaluation import perplexity
+    from whisper_modifiers.methods import build_recipe
+
+    sparsities = list(dict.fromkeys(args.sparsities + (SWEEP if args.sweep else [])))
+    specs = model_specs()
+    results = {"config": vars(args) | {"out": str(args.out)}, "models": {}}
+    for model_name in args.models:
+        spec = specs[model_name]
+        if args.paper_protocol:
+            spec = type(spec)(**(vars(spec) | {
+                "calibration": "wikitext2", "evaluation": "wikitext2",
+                "num_sequences": 128, "seq_len": 4096, "eval_seq_len": 4096,
+                "eval_windows": None,
+            }))  # fmt: skip
+        windows = spec.eval_windows if args.eval_windows is None else (args.eval_windows or None)
+        model, tokenizer = load(spec)
+        eval_ids = evaluation_ids(spec, tokenizer)
+        dense = perplexity(model, eval_ids, spec.eval_seq_len, windows)
+        print(f"[{model_name}] dense perplexity {dense:.3f}", flush=True)
+        entry = results["models"][model_name] = {
+            "spec": vars(spec) | {"eval_windows": windows},
+            "dense": dense,
+            "runs": {},
+        }
+        for label in sparsities:
+            sparsity, structure = parse_sparsity(label)
+            for method in args.methods:
+                runs = []
+                for seed in range(args.seeds):
+                    model, _ = load(spec)
+                    dataset = calibration_set(
+                        spec, tokenizer, seed, args.num_sequences, args.seq_len
+                    )
+                    recipe = build_recipe(method, sparsity, structure, seed)
+                    seconds, memory = prune(model, tokenizer, dataset, recipe)
+                    ppl = perplexity(model, eval_ids, spec.eval_seq_len, windows)
+                    runs.append({"seed": seed, "perplexity": ppl, "seconds": seconds,
+                                 "peak_bytes": memory})  # fmt: skip
+                    print(f"[{model_name}] {label:>5} {method:<10} seed {seed}: "
+                          f"ppl {ppl:.3f}  {seconds:.1f} s", flush=True)  # fmt: skip
+                ppl_mean, ppl_sem = mean_sem([r["perplexity"] for r in runs])
+                time_mean, time_sem = mean_sem([r["seconds"] for r in runs])
+                entry["runs"].setdefault(label, {})[method] = {
+                    "runs": runs,
+                    "perplexity": ppl_mean,
+                    "perplexity_sem": ppl_sem,
+                    "seconds": time_mean,
+                    "seconds_sem": time_sem,
+                }
+                write_json(args.out / "quality.json", results)  # partial results survive
+    write_json(args.out / "quality.json", results)
+    (args.out / "quality.md").write_text(markdown(results))
+    plot(results, args.out)
+    print(markdown(results))
+    return 0
+
+
+def markdown(results) -> str:
+    lines = [
+        "# Quality benchmark",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/quality.py` "
+        f"({results['config']['seeds']} seeds; perplexity mean ± standard error; "
+        "pruning time is the mean wall time of `oneshot`).",
+    ]
+    for model_name, entry in results["models"].items():
+        spec = entry["spec"]
+        labels = list(entry["runs"])
+        methods = list(dict.fromkeys(m for label in labels for m in entry["runs"][label]))
+        lines += [
+            "",
+            f"## {model_name}",
+            "",
+            f"Calibration {spec['num_sequences']} × {spec['seq_len']} tokens from "
+            f"`{Path(spec['calibration']).name}`; evaluation on `{Path(spec['evaluation']).name}`"
+            f", {spec['eval_seq_len']}-token windows"
+            + (f" (first {spec['eval_windows']})" if spec["eval_windows"] else "")
+            + f". Dense perplexity {entry['dense']:.3f}.",
+            "",
+            "| method | " + " | ".join(f"{label} ppl | {label} time" for label in labels) + " |",
+            "|---|" + "---|---|" * len(labels),
+        ]
+        for method in methods:
+            cells = []
+            for label in labels:
+                r = entry["runs"][label].get(method)
+                cells += (
+                    [f"{r['perplexity']:.2f} ± {r['perplexity_sem']:.2f}", f"{r['seconds']:.1f} s"]
+                    if r
+                    else ["", ""]
+                )
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = results["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, (model_name, entry) in zip(axes[0], models.items(), strict=True):
+        labels = [label for label in entry["runs"] if ":" not in label]
+        methods = list(dict.fromkeys(m for label in labels for m in entry["runs"][label]))
+        for method in methods:
+            xs = [float(label) for label in labels if method in entry["runs"][label]]
+            rs = [
+                entry["runs"][label][method] for label in labels if method in entry["runs"][label]
+            ]
+            ax.errorbar(xs, [r["perplexity"] for r in rs], yerr=[r["perplexity_sem"] for r in rs],
+                        marker="o", capsize=3, label=method)  # fmt: skip
+        ax.axhline(entry["dense"], color="gray", linestyle=":", label="dense")
+        ax.set(title=f"{model_name}: perplexity vs unstructured sparsity", xlabel="sparsity",
+               ylabel="perplexity", yscale="log")  # fmt: skip
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "perplexity_vs_sparsity.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, (model_name, entry) in zip(axes[0], models.items(), strict=True):
+        label = "2:4" if "2:4" in entry["runs"] else next(iter(entry["runs"]))
+        points = sorted((r["seconds"], r["perplexity"], r["perplexity_sem"], method)
+                        for method, r in entry["runs"][label].items())  # fmt: skip
+        for seconds, ppl, sem, method in points:
+            ax.errorbar([seconds], [ppl], yerr=[sem], marker="o", capsize=3, label=method)
+        front, best = [], float("inf")
+        for seconds, ppl, _, _ in points:  # Pareto front: faster or better than all before
+            if ppl < best:
+                front.append((seconds, ppl))
+                best = ppl
+        ax.step(
+            *zip(*front, strict=True),
+            where="post",
+            color="black",
+            linewidth=1,
+            label="Pareto front",
+        )
+        ax.set(title=f"{model_name}: perplexity vs pruning time ({label})",
+               xlabel="pruning time (s)", ylabel="perplexity", yscale="log")  # fmt: skip
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "perplexity_vs_time.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

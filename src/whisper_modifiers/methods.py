@@ -1,0 +1,46 @@
+"""Pruning methods by name, as the benchmarks and examples use them.
+
+``build_recipe("whisper", 0.5, "2:4", seed=1)`` returns the modifier list for
+``oneshot(recipe=...)``.  Stock llmcompressor baselines get ``ignore: ["re:.*lm_head"]``
+(its modules are named ``lm_head.``), ours ``["lm_head"]``: the LM head stays dense.
+"""
+
+from __future__ import annotations
+
+from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
+
+from whisper_modifiers.modifiers import (
+    OneShotMagnitudeModifier,
+    WhisperModifier,
+    WispModifier,
+    WispPlusModifier,
+)
+
+__all__ = ["BASELINE_OF", "MAIN_METHODS", "METHODS", "build_recipe"]
+
+METHODS = {
+    "magnitude": OneShotMagnitudeModifier,
+    "wanda": WandaPruningModifier,
+    "wisp": WispModifier,
+    "wisp_plus": WispPlusModifier,
+    "sparsegpt": SparseGPTModifier,
+    "whisper": WhisperModifier,
+}
+MAIN_METHODS = tuple(METHODS)
+BASELINE_OF = {"wisp": "wanda", "wisp_plus": "wanda", "whisper": "sparsegpt"}
+_STOCK = (WandaPruningModifier, SparseGPTModifier)
+
+
+def build_recipe(
+    method: str, sparsity: float, mask_structure: str = "0:0", seed: int = 0, **options
+) -> list:
+    """The one-modifier recipe of ``method``; ``options`` are extra modifier fields."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    cls = METHODS[method]
+    fields = {"sparsity": sparsity, "mask_structure": mask_structure, **options}
+    if cls in _STOCK:
+        fields.setdefault("ignore", ["re:.*lm_head"])
+    if "seed" in cls.model_fields:
+        fields.setdefault("seed", seed)
+    return [cls(**fields)]
