@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py                       # SmolLM2-135M + stories260K, 2:4, 3 seeds
     python benchmarks/quality.py --sparsities 2:4 0.5 0.65 --sweep
+    python benchmarks/quality.py --composites --models smollm2-135m --out results/composites
     python benchmarks/quality.py --models smollm2-135m --paper-protocol   # bigger machines
 
 Each (model, method, sparsity) runs with ``--seeds`` seeds (seed = calibration sample and
@@ -42,11 +43,23 @@ def parse_sparsity(label: str) -> tuple[float, str]:
 
 
 def main(argv=None) -> int:
-    from whisper_modifiers.methods import MAIN_METHODS
+    from whisper_modifiers.methods import COMPOSITE_METHODS, MAIN_METHODS, METHODS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["stories260K", "smollm2-135m"])
-    parser.add_argument("--methods", nargs="+", default=list(MAIN_METHODS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=list(METHODS),
+        help=f"default: {' '.join(MAIN_METHODS)}",
+    )
+    parser.add_argument(
+        "--composites",
+        action="store_true",
+        help="the composability table: RIA, RIA-Wisp, RIA-Wisp+, ALPS, "
+        "ALPS-Whisper beside SparseGPT and Whisper",
+    )
     parser.add_argument("--sparsities", nargs="+", default=["2:4"])
     parser.add_argument("--sweep", action="store_true", help=f"add {', '.join(SWEEP)}")
     parser.add_argument("--seeds", type=int, default=3)
@@ -60,6 +73,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.methods is None:
+        composites = [*COMPOSITE_METHODS, "sparsegpt", "whisper"]
+        args.methods = composites if args.composites else list(MAIN_METHODS)
     quiet_logs()
 
     from whisper_modifiers.evaluation import perplexity

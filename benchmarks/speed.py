@@ -32,6 +32,13 @@ from common import (  # noqa: E402
 )
 
 PAIRS = [("wanda", "wisp", 1.02), ("wanda", "wisp_plus", 1.5), ("sparsegpt", "whisper", 1.03)]
+# The composites have no target of their own; they are held to their parents' targets.
+COMPOSITE_PAIRS = [
+    ("ria", "ria_wisp", 1.02),
+    ("ria", "ria_wisp_plus", 1.5),
+    ("alps", "alps_whisper", 1.03),
+    ("sparsegpt", "alps", float("inf")),  # ALPS's own cost, measured against SparseGPT
+]
 MEMORY_TARGET = 1.1
 
 
@@ -71,8 +78,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--structure", default="2:4")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--composites", action="store_true", help="RIA and ALPS pairs too")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    pairs = PAIRS + (COMPOSITE_PAIRS if args.composites else [])
 
     report = {"config": vars(args) | {"out": str(args.out)}, "models": {}}
     lines = [
@@ -86,7 +95,7 @@ def main(argv=None) -> int:
         times: dict[str, list[float]] = {}
         peaks: dict[str, list[int]] = {}
         for rep in range(args.repeats):
-            order = [m for pair in PAIRS for m in pair[:2]]
+            order = [m for pair in pairs for m in pair[:2]]
             order = list(dict.fromkeys(order if rep % 2 == 0 else order[::-1]))
             for method in order:
                 seconds, peak = run_one(model_name, method, args)
@@ -95,7 +104,7 @@ def main(argv=None) -> int:
                 print(f"[{model_name}] rep {rep} {method:<10} {seconds:7.2f} s  "
                       f"peak +{peak / 2**20:7.1f} MiB", flush=True)  # fmt: skip
         rows = []
-        for baseline, method, target in PAIRS:
+        for baseline, method, target in pairs:
             t_ratio = statistics.median(times[method]) / statistics.median(times[baseline])
             m_ratio = statistics.median(peaks[method]) / max(statistics.median(peaks[baseline]), 1)
             rows.append({

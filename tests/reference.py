@@ -67,3 +67,18 @@ def loop_regularized_hessian(hessian, difference_hessian, gamma):
     mu = sum(float(hessian[j, j]) for j in range(m)) / m
     mu_delta = sum(float(difference_hessian[j, j]) for j in range(m)) / m
     return gamma * hessian + (1 - gamma) * (mu / mu_delta) * difference_hessian
+
+
+def loop_ria(weight, channel_scale, exponent=0.5):
+    """(|W_ij| / sum_i |W_ij| + |W_ij| / sum_j |W_ij|) * c^a, entry by entry."""
+    weight = weight.double().abs()
+    n, m = weight.shape
+    column_sums = [sum(float(weight[i, j]) for i in range(n)) for j in range(m)]
+    row_sums = [sum(float(weight[i, j]) for j in range(m)) for i in range(n)]
+    out = torch.zeros(n, m, dtype=torch.float64)
+    for i in range(n):
+        for j in range(m):
+            c = channel_scale[j] if channel_scale.dim() == 1 else channel_scale[i, j]
+            w = float(weight[i, j])
+            out[i, j] = (w / column_sums[j] + w / row_sums[i]) * float(c) ** exponent
+    return out

@@ -15,7 +15,10 @@ from conftest import HELDOUT_TEXT, MODEL_DIR, RECIPES, linear_weights
 from whisper_modifiers.evaluation import perplexity
 
 RECIPE_FILES = sorted(RECIPES.glob("*.yaml"))
-METHODS = ["magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper"]
+METHODS = [
+    "magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper",
+    "ria", "ria_wisp", "ria_wisp_plus", "alps", "alps_whisper",
+]  # fmt: skip
 
 
 def test_every_method_has_every_sparsity():
@@ -27,12 +30,16 @@ def test_recipes_share_settings_with_their_baseline():
     def settings(stem):
         stage = yaml.safe_load((RECIPES / f"{stem}.yaml").read_text())["sparsity_stage"]
         ((_, fields),) = stage["sparsity_modifiers"].items()
-        return {k: v for k, v in fields.items() if k in ("sparsity", "mask_structure", "targets")}
+        shared = ("sparsity", "mask_structure", "targets", "comparison_group", "dampening_frac")
+        return {k: v for k, v in fields.items() if k in shared}
 
     for tag in ("2of4", "50", "65"):
         assert settings(f"wisp_{tag}") == settings(f"wanda_{tag}")
         assert settings(f"wisp_plus_{tag}") == settings(f"wanda_{tag}")
         assert settings(f"whisper_{tag}") == settings(f"sparsegpt_{tag}")
+        assert settings(f"ria_wisp_{tag}") == settings(f"ria_{tag}")
+        assert settings(f"ria_wisp_plus_{tag}") == settings(f"ria_{tag}")
+        assert settings(f"alps_whisper_{tag}") == settings(f"alps_{tag}")
 
 
 def test_yaml_names_resolve_to_our_modifiers():

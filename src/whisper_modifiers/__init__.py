@@ -1,22 +1,36 @@
 """Difference-informed one-shot pruning (Wisp, Wisp+, Whisper) for llmcompressor.
 
-Importing this package registers ``WispModifier``, ``WispPlusModifier``,
-``WhisperModifier`` and ``OneShotMagnitudeModifier`` with llmcompressor's
-``ModifierFactory``, so YAML recipes can name them.
+Importing this package registers every modifier in ``MODIFIERS`` with llmcompressor's
+``ModifierFactory`` under its class name, so YAML recipes can name them.
 """
 
 from llmcompressor.modifiers.factory import ModifierFactory
 
 from whisper_modifiers.modifiers import (
     DEFAULT_DIFFERENCE_TARGETS,
+    ALPSModifier,
+    ALPSWhisperModifier,
     DifferencePruningBase,
     OneShotMagnitudeModifier,
+    RIAModifier,
+    RIAWispModifier,
+    RIAWispPlusModifier,
     WhisperModifier,
     WispModifier,
     WispPlusModifier,
 )
 
-MODIFIERS = (WispModifier, WispPlusModifier, WhisperModifier, OneShotMagnitudeModifier)
+MODIFIERS = (
+    WispModifier,
+    WispPlusModifier,
+    WhisperModifier,
+    OneShotMagnitudeModifier,
+    RIAModifier,
+    RIAWispModifier,
+    RIAWispPlusModifier,
+    ALPSModifier,
+    ALPSWhisperModifier,
+)
 for _modifier in MODIFIERS:
     ModifierFactory.register(_modifier.__name__, _modifier)
 
@@ -25,8 +39,13 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_DIFFERENCE_TARGETS",
     "MODIFIERS",
+    "ALPSModifier",
+    "ALPSWhisperModifier",
     "DifferencePruningBase",
     "OneShotMagnitudeModifier",
+    "RIAModifier",
+    "RIAWispModifier",
+    "RIAWispPlusModifier",
     "WhisperModifier",
     "WispModifier",
     "WispPlusModifier",

@@ -10,13 +10,18 @@ from __future__ import annotations
 from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
 
 from whisper_modifiers.modifiers import (
+    ALPSModifier,
+    ALPSWhisperModifier,
     OneShotMagnitudeModifier,
+    RIAModifier,
+    RIAWispModifier,
+    RIAWispPlusModifier,
     WhisperModifier,
     WispModifier,
     WispPlusModifier,
 )
 
-__all__ = ["BASELINE_OF", "MAIN_METHODS", "METHODS", "build_recipe"]
+__all__ = ["BASELINE_OF", "COMPOSITE_METHODS", "MAIN_METHODS", "METHODS", "build_recipe"]
 
 METHODS = {
     "magnitude": OneShotMagnitudeModifier,
@@ -25,9 +30,22 @@ METHODS = {
     "wisp_plus": WispPlusModifier,
     "sparsegpt": SparseGPTModifier,
     "whisper": WhisperModifier,
+    "ria": RIAModifier,
+    "ria_wisp": RIAWispModifier,
+    "ria_wisp_plus": RIAWispPlusModifier,
+    "alps": ALPSModifier,
+    "alps_whisper": ALPSWhisperModifier,
 }
-MAIN_METHODS = tuple(METHODS)
-BASELINE_OF = {"wisp": "wanda", "wisp_plus": "wanda", "whisper": "sparsegpt"}
+MAIN_METHODS = ("magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper")
+COMPOSITE_METHODS = ("ria", "ria_wisp", "ria_wisp_plus", "alps", "alps_whisper")
+BASELINE_OF = {
+    "wisp": "wanda",
+    "wisp_plus": "wanda",
+    "whisper": "sparsegpt",
+    "ria_wisp": "ria",
+    "ria_wisp_plus": "ria",
+    "alps_whisper": "alps",
+}
 _STOCK = (WandaPruningModifier, SparseGPTModifier)
 
 

@@ -1,32 +1,55 @@
 """Pruning solvers, as pure torch functions.
 
-* ``prune_by_score`` -- the no-update solver of Wanda, Wisp and Wisp+: keep the
-  highest-scoring weights of each output row (per-row comparison group, as Wanda and the
-  paper's pseudocode do) or of each group of ``M`` consecutive inputs for N:M sparsity.
-* The SparseGPT / OBS solver (block-wise mask selection and weight update) is
-  llmcompressor's own ``sgpt_sparsify.sparsify_weight``; Whisper hands it ``H~`` in place
-  of ``H``, so it is reused, not rewritten.
+* ``prune_mask`` / ``prune_by_score`` -- the no-update solver of magnitude, Wanda, Wisp,
+  Wisp+ and RIA: keep the highest scores of each output row (Wanda's comparison group),
+  of the whole layer (RIA's reference default), or of each group of ``M`` consecutive
+  inputs (N:M).
+* ``wanda_scores`` / ``ria_scores`` -- the saliencies over a channel statistic.
+* ``alps_prune`` -- ALPS: ADMM on the ridge-regularised reconstruction objective, then
+  conjugate gradient on the fixed support.
+* The SparseGPT / OBS solver is llmcompressor's own ``sgpt_sparsify.sparsify_weight``;
+  Whisper hands it ``H~`` in place of ``H``, so it is reused, not rewritten.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["prune_mask", "prune_by_score"]
+__all__ = [
+    "ALPSResult",
+    "alps_prune",
+    "prune_by_score",
+    "prune_mask",
+    "ria_scores",
+    "wanda_scores",
+]
+
+COMPARISON_GROUPS = ("row", "layer")
 
 
 def prune_mask(
-    scores: torch.Tensor, sparsity: float, prune_n: int = 0, prune_m: int = 0
+    scores: torch.Tensor,
+    sparsity: float,
+    prune_n: int = 0,
+    prune_m: int = 0,
+    comparison_group: str = "row",
 ) -> torch.Tensor:
     """Boolean mask (``True`` = prune) of the lowest scores.
 
-    Unstructured (``prune_n == 0``): in every row, the ``int(m * sparsity)`` lowest
-    scores (stable sort, so ties break by column index).  N:M: in every group of
-    ``prune_m`` consecutive columns, the ``prune_n`` lowest scores.  The same selection
-    as llmcompressor's Wanda, so a Wanda score gives Wanda's mask bit for bit.
+    N:M (``prune_n > 0``): in every group of ``prune_m`` consecutive columns of a row,
+    the ``prune_n`` lowest.  Unstructured, ``comparison_group="row"``: in every row the
+    ``int(m * sparsity)`` lowest (stable sort: ties break by column index) -- the same
+    selection as llmcompressor's Wanda, bit for bit; ``"layer"``: the
+    ``int(n * m * sparsity)`` lowest of the whole matrix.
     """
     if scores.dim() != 2:
         raise ValueError(f"scores must be 2-d [n, m], got shape {tuple(scores.shape)}")
+    if comparison_group not in COMPARISON_GROUPS:
+        raise ValueError(
+            f"comparison_group must be one of {COMPARISON_GROUPS}, got {comparison_group!r}"
+        )
     rows, columns = scores.shape
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     if prune_n:
@@ -38,9 +61,12 @@ def prune_mask(
         groups = scores.reshape(rows, columns // prune_m, prune_m)
         lowest = groups.topk(prune_n, dim=-1, largest=False).indices
         mask.view(rows, columns // prune_m, prune_m).scatter_(-1, lowest, True)
-    else:
+    elif comparison_group == "row":
         lowest = torch.sort(scores, dim=-1, stable=True).indices[:, : int(columns * sparsity)]
         mask.scatter_(1, lowest, True)
+    else:
+        flat = torch.sort(scores.reshape(-1), stable=True).indices
+        mask.view(-1)[flat[: int(scores.numel() * sparsity)]] = True
     return mask
 
 
@@ -50,8 +76,176 @@ def prune_by_score(
     sparsity: float,
     prune_n: int = 0,
     prune_m: int = 0,
+    comparison_group: str = "row",
 ) -> torch.Tensor:
     """Zero the lowest-scoring weights (no update of the survivors); returns a copy."""
     pruned = weight.clone()
-    pruned[prune_mask(scores, sparsity, prune_n, prune_m)] = 0
+    pruned[prune_mask(scores, sparsity, prune_n, prune_m, comparison_group)] = 0
     return pruned
+
+
+def wanda_scores(weight: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+    """``S_ij = |W_ij| * c_j`` (Wanda: ``c = ||X_j||``, Wisp: ``||dX_j||``) or, with an
+    ``[n, m]`` statistic, ``|W_ij| * c_ij`` (Wisp+: ``c = a``)."""
+    scale = channel_scale.reshape(1, -1) if channel_scale.dim() == 1 else channel_scale
+    return weight.abs().float() * scale
+
+
+def ria_scores(
+    weight: torch.Tensor, channel_scale: torch.Tensor, exponent: float = 0.5
+) -> torch.Tensor:
+    """RIA's relative importance times activations (Zhang et al. 2024; paper Appendix
+    "Composability"): ``(|W_ij| / ||W_:j||_1 + |W_ij| / ||W_i:||_1) * c^a``, ``a = 0.5``.
+
+    ``c`` is ``||X_j||`` (RIA), ``||dX_j||`` (RIA-Wisp) or Wisp+'s ``a_ij`` (RIA-Wisp+).
+    """
+    magnitude = weight.abs().float()
+    relative = magnitude / magnitude.sum(dim=0, keepdim=True) + magnitude / magnitude.sum(
+        dim=1, keepdim=True
+    )
+    relative = torch.nan_to_num(relative)  # an all-zero row or column scores 0
+    scale = channel_scale.reshape(1, -1) if channel_scale.dim() == 1 else channel_scale
+    return relative * scale.float().pow(exponent)
+
+
+@dataclass
+class ALPSResult:
+    weight: torch.Tensor
+    iterations: int  # ADMM iterations run
+    rho: float  # final penalty
+    objective: float  # relative reconstruction error after the CG refinement
+
+
+def _project(values: torch.Tensor, keep: int, prune_n: int, prune_m: int) -> torch.Tensor:
+    """Euclidean projection onto the sparsity set: the mask of entries kept."""
+    if prune_n:
+        rows, columns = values.shape
+        groups = values.abs().reshape(rows, columns // prune_m, prune_m)
+        mask = torch.ones_like(groups, dtype=torch.bool)
+        mask.scatter_(-1, groups.topk(prune_n, dim=-1, largest=False).indices, False)
+        return mask.reshape(rows, columns)
+    mask = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
+    mask[values.abs().reshape(-1).topk(keep).indices] = True
+    return mask.reshape(values.shape)
+
+
+def alps_prune(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    sparsity: float,
+    prune_n: int = 0,
+    prune_m: int = 0,
+    ridge_frac: float = 0.01,
+    rho: float = 0.1,
+    max_iter: int = 300,
+    update_every: int = 3,
+    min_iter: int = 30,
+    support_tol: float = 3e-4,
+    cg_iter: int = 10,
+    cg_rtol: float = 1e-4,
+) -> ALPSResult:
+    """ALPS (Meng et al. 2024): minimise ``1/2 tr((W - V) H (W - V)^T) + lambda_2/2
+    ||W - V||^2`` over ``V`` with the sparsity pattern, for ``H = X X^T`` (ALPS) or
+    Whisper's ``H~`` (ALPS-Whisper).
+
+    With ``lambda_2 = ridge_frac * mean(diag H)`` and ``D = sqrt(diag(H + lambda_2 I))``
+    the problem is solved in normalised coordinates ``B = V D``, ``G = D^-1 (H +
+    lambda_2 I) D^-1``.  ADMM splits ``B`` (unconstrained, ``B = (W G - Lambda + rho Z)
+    (G + rho I)^-1`` through one eigendecomposition of ``G``) from ``Z`` (the projection
+    of ``B + Lambda / rho`` onto the sparsity set); ``Lambda += rho (B - Z)``.  Every
+    ``update_every`` iterations ``rho`` follows the reference schedule on the support
+    change ``c`` (relative to the number of kept weights ``k``): x1.3 if ``c/k > 0.1``,
+    x1.2 if ``> 0.005``, x1.1 if any change (or, before any increase, /5 and restart),
+    stop if none after an increase; stop after ``min_iter`` iterations once
+    ``c/k < support_tol``; ``rho <= 1e6``.  The support of the projected ``B`` is then
+    fixed and the weights on it refined by ``cg_iter`` conjugate-gradient steps
+    (relative residual ``cg_rtol``) on ``B G = W G``.
+
+    ``prune_n``/``prune_m`` prune N of every M consecutive inputs of each row;
+    unstructured sparsity keeps the largest ``round((1 - sparsity) n m)`` of the layer.
+    """
+    dtype = weight.dtype
+    w = weight.float()
+    rows, columns = w.shape
+    h = hessian.to(device=w.device, dtype=torch.float32).clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h.diagonal().add_(ridge_frac * h.diagonal().mean())
+    scale = h.diagonal().sqrt()
+    g = h / scale.reshape(-1, 1) / scale.reshape(1, -1)
+    w_scaled = w * scale
+    target = w_scaled @ g  # W G: the right-hand side of the normal equations
+    if prune_n:
+        keep = rows * columns * (prune_m - prune_n) // prune_m  # weights kept
+    else:
+        keep = round((1 - sparsity) * rows * columns)
+    eigenvalues, eigenvectors = torch.linalg.eigh(g.double())
+
+    def inverse(penalty: float) -> torch.Tensor:
+        return ((eigenvectors / (eigenvalues + penalty)) @ eigenvectors.T).float()
+
+    def restart():
+        return w_scaled.clone(), w_scaled * _project(w_scaled, keep, prune_n, prune_m)
+
+    b, z = restart()
+    z_start = z.clone()
+    dual = torch.zeros_like(b)
+    support = z != 0
+    g_inverse = inverse(rho)
+    increased = False
+    iteration = 0
+    for iteration in range(1, max_iter + 1):
+        b = (target - dual + rho * z) @ g_inverse
+        shifted = b + dual / rho
+        z = shifted * _project(shifted, keep, prune_n, prune_m)
+        dual += rho * (b - z)
+        if iteration % update_every:
+            continue
+        new_support = z != 0
+        change = int((new_support != support).sum())
+        support = new_support
+        if change / keep > 0.1:
+            rho, increased = rho * 1.3, True
+        elif change / keep > 0.005:
+            rho, increased = rho * 1.2, True
+        elif change > 0:
+            if increased:
+                rho *= 1.1
+            else:
+                rho /= 5
+                b, z, dual = w_scaled.clone(), z_start.clone(), torch.zeros_like(b)
+        elif increased:
+            break
+        else:
+            rho /= 5
+        rho = min(rho, 1e6)
+        g_inverse = inverse(rho)
+        if iteration >= min_iter and change / keep < support_tol:
+            break
+
+    mask = _project(b, keep, prune_n, prune_m)
+    b = _conjugate_gradient(g, target, b * mask, mask, cg_iter, cg_rtol)
+    difference = b - w_scaled
+    objective = float(((difference @ g) * difference).sum() / ((w_scaled @ g) * w_scaled).sum())
+    return ALPSResult((b / scale).to(dtype), iteration, rho, objective)
+
+
+def _conjugate_gradient(g, target, start, mask, iterations, rtol):
+    """Solve ``B G = target`` for ``B`` restricted to ``mask`` (one system per row)."""
+    b = start
+    residual = (target - b @ g) * mask
+    direction = residual.clone()
+    norm = (residual * residual).sum(dim=1)
+    target_norm = target.norm(dim=1)
+    for _ in range(iterations):
+        if (norm.sqrt() <= rtol * target_norm).all():
+            break
+        curvature = direction @ g
+        step = norm / (direction * curvature).sum(dim=1).clamp_min(1e-30)
+        b = b + step.unsqueeze(1) * direction
+        residual = (residual - step.unsqueeze(1) * curvature) * mask
+        new_norm = (residual * residual).sum(dim=1)
+        direction = residual + (new_norm / norm.clamp_min(1e-30)).unsqueeze(1) * direction
+        norm = new_norm
+    return b

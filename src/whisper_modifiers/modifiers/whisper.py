@@ -1,18 +1,25 @@
-"""Whisper: SparseGPT with the regularised difference Hessian."""
+"""Whisper and ALPS-Whisper: reconstruction solvers over the regularised difference Hessian."""
 
 from __future__ import annotations
 
 import torch
-from compressed_tensors.utils import get_execution_device
+from compressed_tensors.utils import (
+    align_module_device,
+    get_execution_device,
+    update_offload_parameter,
+)
 from llmcompressor.core import State
 from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
 from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import make_empty_hessian
+from llmcompressor.utils.metric_logging import CompressionLogger
+from loguru import logger
 from pydantic import Field, PrivateAttr
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase
+from whisper_modifiers.solvers import alps_prune
 from whisper_modifiers.statistics import accumulate_gram, regularized_difference_hessian
 
-__all__ = ["WhisperModifier"]
+__all__ = ["ALPSModifier", "ALPSWhisperModifier", "WhisperModifier"]
 
 
 class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
@@ -78,10 +85,82 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             self._hessians[module] = regularized_difference_hessian(
                 hessian, difference_hessian.to(hessian.device), self.gamma
             )
-        super().compress_modules()
+        self.solve()
+
+    def solve(self):
+        """Prune every calibrated module with its Hessian: SparseGPT's solver."""
+        SparseGPTModifier.compress_modules(self)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         self._difference_hessians = dict()
         self._difference_samples = dict()
         self._reset_routing()
         return super().on_finalize(state, **kwargs)
+
+
+class ALPSWhisperModifier(WhisperModifier):
+    """ALPS-Whisper (paper Appendix "Composability"): the ALPS solver (ADMM on the
+    ridge-regularised reconstruction objective, then conjugate gradient on the fixed
+    support; ``solvers.alps_prune``) with Whisper's ``H~`` on the ``difference_targets``
+    and ``H`` elsewhere.  The ridge is ``lambda_2 = dampening_frac * mean(diag H)``.
+    Unstructured sparsity uses one threshold per layer, as ALPS does.
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        ALPSWhisperModifier:
+          sparsity: 0.5
+          mask_structure: "2:4"
+          gamma: 0.01
+          ignore: ["lm_head"]
+    ```
+
+    :param alps_rho: initial ADMM penalty (0.1, as the reference).
+    :param alps_max_iter: ADMM iteration cap (300).
+    :param alps_cg_iter: conjugate-gradient refinement steps (10).
+    """
+
+    alps_rho: float = Field(default=0.1, gt=0.0)
+    alps_max_iter: int = Field(default=300, ge=1)
+    alps_cg_iter: int = Field(default=10, ge=0)
+
+    def solve(self):
+        for module in list(self._num_samples):
+            name = self._module_names[module]
+            hessian = self._hessians.pop(module)
+            count = self._num_samples.pop(module)
+            logger.info(f"Sparsifying {name} with ALPS using {count} samples")
+            with torch.no_grad(), align_module_device(module), CompressionLogger(module):
+                result = alps_prune(
+                    module.weight,
+                    hessian.to(module.weight.device),
+                    self._module_sparsities[module],
+                    self._prune_n,
+                    self._prune_m,
+                    ridge_frac=self.dampening_frac,
+                    rho=self.alps_rho,
+                    max_iter=self.alps_max_iter,
+                    cg_iter=self.alps_cg_iter,
+                )
+            logger.info(
+                f"{name}: ALPS {result.iterations} ADMM iterations, relative "
+                f"reconstruction error {result.objective:.4g}"
+            )
+            update_offload_parameter(module, "weight", result.weight)
+
+
+class ALPSModifier(ALPSWhisperModifier):
+    """ALPS (Meng et al. 2024) as a one-shot modifier: the ALPS solver with ``H = X X^T``
+    on every targeted module (``difference_targets`` is empty).
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        ALPSModifier:
+          sparsity: 0.5
+          mask_structure: "2:4"
+          ignore: ["lm_head"]
+    ```
+    """
+
+    difference_targets: list[str] = Field(default_factory=list)

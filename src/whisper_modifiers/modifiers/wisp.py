@@ -1,6 +1,8 @@
-"""Wisp and Wisp+: Wanda with a difference-informed activation statistic."""
+"""Wisp, Wisp+ and their RIA composites: no-update pruning over a channel statistic."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from compressed_tensors.utils import align_module_device, update_offload_parameter
@@ -9,13 +11,19 @@ from llmcompressor.modifiers.pruning.wanda import WandaPruningModifier
 from llmcompressor.modifiers.pruning.wanda.wanda_sparsify import make_empty_row_scalars
 from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
-from pydantic import Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase
-from whisper_modifiers.solvers import prune_by_score
+from whisper_modifiers.solvers import prune_by_score, ria_scores, wanda_scores
 from whisper_modifiers.statistics import accumulate_channel_norms, neuronwise_difference
 
-__all__ = ["WispModifier", "WispPlusModifier"]
+__all__ = [
+    "RIAModifier",
+    "RIAWispModifier",
+    "RIAWispPlusModifier",
+    "WispModifier",
+    "WispPlusModifier",
+]
 
 
 class WispModifier(DifferencePruningBase, WandaPruningModifier):
@@ -39,8 +47,12 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
     ```
 
     Fields: those of ``WandaPruningModifier`` plus ``difference_targets``, ``seed`` and
-    ``num_permutations`` (see ``DifferencePruningBase``).
+    ``num_permutations`` (see ``DifferencePruningBase``), and
+    :param comparison_group: ``"row"`` (Wanda: every output row to the same sparsity) or
+        ``"layer"`` (one threshold for the whole matrix); N:M ignores it.
     """
+
+    comparison_group: Literal["row", "layer"] = "row"
 
     def calibrate_module(self, module, args, _output):
         if not self.is_difference_module(module):
@@ -53,12 +65,37 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
             self._row_scalars[module], self._num_samples[module], differences
         )
 
+    def scores(self, weight: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+        """The saliency over a channel statistic (``||X_j||``, ``||dX_j||`` or ``a_ij``)."""
+        return wanda_scores(weight, channel_scale)
+
+    def compress_modules(self):
+        for module in list(self._num_samples):
+            count = self._num_samples.pop(module)
+            channel_norms = self._row_scalars.pop(module).sqrt()
+            self._prune(module, channel_norms, count)
+
+    def _prune(self, module, channel_scale: torch.Tensor, count: int):
+        name = self._module_names[module]
+        logger.info(f"Sparsifying {name} using {count} samples")
+        with torch.no_grad(), align_module_device(module), CompressionLogger(module):
+            weight = module.weight
+            pruned = prune_by_score(
+                weight,
+                self.scores(weight, channel_scale.to(weight.device)),
+                self._module_sparsities[module],
+                self._prune_n,
+                self._prune_m,
+                self.comparison_group,
+            )
+        update_offload_parameter(module, "weight", pruned)
+
     def on_finalize(self, state: State, **kwargs) -> bool:
         self._reset_routing()
         return super().on_finalize(state, **kwargs)
 
 
-class WispPlusModifier(DifferencePruningBase, WandaPruningModifier):
+class WispPlusModifier(WispModifier):
     """Wisp+: Wanda's no-update pruning with the neuronwise difference statistic
     ``S_ij = |W_ij| * a_ij``, ``a_ij`` = mean of ``|dX_jl|`` over the ``K`` pairs that
     neuron ``i`` separates most per unit input distance (paper Section 3.2), on the
@@ -88,7 +125,7 @@ class WispPlusModifier(DifferencePruningBase, WandaPruningModifier):
 
     def calibrate_module(self, module, args, _output):
         if not self.is_difference_module(module):
-            return super().calibrate_module(module, args, _output)
+            return WandaPruningModifier.calibrate_module(self, module, args, _output)
         differences = self.sequence_differences(module, args[0])
         self._neuronwise_counts.setdefault(module, 0)
         with align_module_device(module):
@@ -104,31 +141,79 @@ class WispPlusModifier(DifferencePruningBase, WandaPruningModifier):
 
     def compress_modules(self):
         for module in list(self._neuronwise_counts):
-            name = self._module_names[module]
             count = self._neuronwise_counts.pop(module)
             if count == 0:
                 raise ValueError(
-                    f"{name}: every sampled pair of every calibration sequence had zero "
-                    "input distance, so Wisp+ has no pair to select"
+                    f"{self._module_names[module]}: every sampled pair of every calibration "
+                    "sequence had zero input distance, so Wisp+ has no pair to select"
                 )
-            statistic = self._neuronwise_sums.pop(module) / count
-            logger.info(f"Sparsifying {name} with Wisp+ using {count} sequences")
-            with torch.no_grad(), align_module_device(module), CompressionLogger(module):
-                weight = module.weight
-                scores = weight.abs().to(statistic.dtype) * statistic.to(weight.device)
-                pruned = prune_by_score(
-                    weight,
-                    scores,
-                    self._module_sparsities[module],
-                    self._prune_n,
-                    self._prune_m,
-                )
-            update_offload_parameter(module, "weight", pruned)
+            self._prune(module, self._neuronwise_sums.pop(module) / count, count)
         super().compress_modules()
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         if self._neuronwise_counts:
             raise ValueError(f"Failed to compress {len(self._neuronwise_counts)} modules")
         self._neuronwise_sums = dict()
-        self._reset_routing()
         return super().on_finalize(state, **kwargs)
+
+
+class RIAScoring(BaseModel):
+    """RIA's saliency in place of Wanda's (mixin): ``(|W_ij| / ||W_:j||_1 + |W_ij| /
+    ||W_i:||_1) * c^a``.
+
+    :param ria_exponent: ``a``; 0.5 as in RIA and the paper.
+    :param comparison_group: ``"layer"`` by default, as RIA's reference implementation
+        and its published numbers use; ``"row"`` for Wanda's per-row groups.
+    """
+
+    ria_exponent: float = Field(default=0.5, gt=0.0)
+    comparison_group: Literal["row", "layer"] = "layer"
+
+    def scores(self, weight: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+        return ria_scores(weight, channel_scale, self.ria_exponent)
+
+
+class RIAWispModifier(RIAScoring, WispModifier):
+    """RIA-Wisp (paper Appendix "Composability"): RIA's saliency with ``||dX_j||_2`` on
+    the ``difference_targets`` (gate/up), with ``||X_j||_2`` (plain RIA) elsewhere.
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        RIAWispModifier:
+          sparsity: 0.5
+          mask_structure: "2:4"
+          ignore: ["lm_head"]
+    ```
+    """
+
+
+class RIAWispPlusModifier(RIAScoring, WispPlusModifier):
+    """RIA-Wisp+: RIA's saliency with Wisp+'s ``a_ij`` on the ``difference_targets``,
+    plain RIA elsewhere.
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        RIAWispPlusModifier:
+          sparsity: 0.5
+          mask_structure: "2:4"
+          ignore: ["lm_head"]
+    ```
+    """
+
+
+class RIAModifier(RIAWispModifier):
+    """RIA (Zhang et al. 2024) as a one-shot modifier: ``(|W_ij| / ||W_:j||_1 + |W_ij| /
+    ||W_i:||_1) * ||X_j||_2^a`` on every targeted module (``difference_targets`` is empty).
+
+    ```yaml
+    sparsity_stage:
+      sparsity_modifiers:
+        RIAModifier:
+          sparsity: 0.5
+          ignore: ["lm_head"]
+    ```
+    """
+
+    difference_targets: list[str] = Field(default_factory=list)
