@@ -82,3 +82,20 @@ def loop_ria(weight, channel_scale, exponent=0.5):
             w = float(weight[i, j])
             out[i, j] = (w / column_sums[j] + w / row_sums[i]) * float(c) ** exponent
     return out
+
+
+def loop_mapping_difficulty(weight, differences):
+    """MD_i = mean_l (|dy_il| / median_l |dy_il|) / (||dX_l|| / max_l ||dX_l||)."""
+    weight, differences = weight.double(), differences.double()
+    pairs = [d for d in differences if float(d.norm()) > 0]
+    norms = [float(d.norm()) for d in pairs]
+    out = []
+    for w in weight:
+        dy = sorted(abs(float(w @ d)) for d in pairs)
+        median = (dy[(len(dy) - 1) // 2] + dy[len(dy) // 2]) / 2
+        ratios = [
+            abs(float(w @ d)) / median / (norm / max(norms))
+            for d, norm in zip(pairs, norms, strict=True)
+        ]
+        out.append(sum(ratios) / len(ratios))
+    return torch.tensor(out, dtype=torch.float64)

@@ -14,6 +14,12 @@ input dtype, and nothing here imports llmcompressor.
   ``H`` on ``X``; the difference Hessian ``H_Delta`` on ``dX``).
 * ``neuronwise_difference`` -- Wisp+'s ``a_ij`` (Section 3.2).
 * ``regularized_difference_hessian`` -- Whisper's ``H~`` (Section 3.3).
+* ``nearest_neighbour_differences`` -- the nearest-neighbour pairing of the appendix
+  "Sampling approach details".
+* ``scaled_sequence_means`` -- ``sqrt(s) x_bar`` per sequence, from which the centered
+  statistics of the appendix "Centering" follow: ``X_c X_c^T = X X^T - s x_bar x_bar^T``.
+* ``mapping_difficulty`` -- the per-neuron diagnostic of the appendix "Mapping
+  difficulty definition".
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ STATISTICS_DTYPE = torch.float32
 
 __all__ = [
     "STATISTICS_DTYPE",
+    "mapping_difficulty",
+    "nearest_neighbour_differences",
+    "scaled_sequence_means",
     "accumulate_channel_norms",
     "accumulate_gram",
     "neuronwise_difference",
@@ -203,3 +212,50 @@ def regularized_difference_hessian(
             "Whisper needs calibration sequences whose tokens differ"
         )
     return gamma * hessian + (1.0 - gamma) * (mu / mu_delta) * difference_hessian
+
+
+def nearest_neighbour_differences(x: torch.Tensor) -> torch.Tensor:
+    """``dX_NN = [x_l - x_n(l)]`` with ``n(l) = argmin_{j != l} ||x_l - x_j||_2`` within
+    one sequence ``[seq_len, m]`` (ties go to the lowest index); float32 ``[seq_len, m]``.
+    Costs one ``s x s`` distance matrix per sequence."""
+    if x.dim() != 2 or x.shape[0] < 2:
+        raise ValueError(f"expected one sequence [seq_len >= 2, m], got {tuple(x.shape)}")
+    x = x.to(STATISTICS_DTYPE)
+    squared_norms = (x * x).sum(dim=1)
+    distances = squared_norms.unsqueeze(1) + squared_norms.unsqueeze(0) - 2 * (x @ x.t())
+    distances.fill_diagonal_(float("inf"))
+    return x - x[distances.argmin(dim=1)]
+
+
+def scaled_sequence_means(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(s) * x_bar`` of each sequence, as ``[b, 1, m]`` float32.
+
+    Fed to ``accumulate_channel_norms`` / ``accumulate_gram`` it accumulates
+    ``s x_bar_j^2`` / ``s x_bar x_bar^T`` on the same scale as the uncentered
+    statistics, so the centered ones are a subtraction (paper appendix "Centering"):
+    ``||X_c,j||^2 = ||X_j||^2 - s x_bar_j^2`` and ``H_c = H - s x_bar x_bar^T``.
+    """
+    x = _as_sequences(x).to(STATISTICS_DTYPE)
+    return x.mean(dim=1, keepdim=True) * math.sqrt(x.shape[1])
+
+
+def mapping_difficulty(weight: torch.Tensor, differences: torch.Tensor) -> torch.Tensor:
+    """Per-neuron mapping difficulty (Sawmya et al.; paper appendix "Mapping difficulty
+    definition") over the pairs ``differences`` (``[s, m]``):
+
+    ``MD_i = mean_l (|dy_il| / N_y,i) / (||dX_l|| / N_x)``, ``N_x = max_l ||dX_l||``,
+    ``N_y,i = median_l |dy_il|``.  Pairs of zero distance are skipped.  Returns ``[n]``
+    float32.
+    """
+    differences = differences.to(STATISTICS_DTYPE)
+    distances = torch.linalg.vector_norm(differences, dim=1)
+    valid = distances > 0
+    differences, distances = differences[valid], distances[valid]
+    if distances.numel() == 0:
+        raise ValueError("every pair has zero input distance; mapping difficulty is undefined")
+    separations = (weight.to(differences.device, STATISTICS_DTYPE) @ differences.t()).abs()
+    ordered = separations.sort(dim=1).values  # median of an even count: mean of the middle two
+    count = ordered.shape[1]
+    medians = (ordered[:, (count - 1) // 2] + ordered[:, count // 2]).unsqueeze(1) / 2
+    medians = torch.where(medians > 0, medians, torch.ones_like(medians))
+    return ((separations / medians) / (distances / distances.max())).mean(dim=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 import zlib
+from typing import Literal
 
 import torch
 from compressed_tensors.utils import match_named_modules, match_targets
@@ -24,10 +25,16 @@ from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
     SparsityModifierBase,
 )
 from loguru import logger
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
 from whisper_modifiers.modifiers.validation import SparsityValidation
-from whisper_modifiers.statistics import pair_permutations, pairwise_differences
+from whisper_modifiers.statistics import (
+    accumulate_gram,
+    nearest_neighbour_differences,
+    pair_permutations,
+    pairwise_differences,
+    scaled_sequence_means,
+)
 
 __all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DifferencePruningBase"]
 
@@ -44,6 +51,11 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     :param seed: seed of the pair permutations; the same seed gives the same masks.
     :param num_permutations: independent permutations per calibration sequence (the
         paper's ``N = k s`` pairs, Appendix "Sampling approach details"); 1 suffices.
+    :param pairing: ``"random"`` (seeded permutations, the paper's default),
+        ``"nearest"`` (each token paired with its nearest other token of the sequence,
+        appendix "Sampling approach details") or ``"centered"`` (the deterministic
+        second-moment form of random pairing, appendix "Centering": ``||X_c,j||`` for
+        Wisp, ``H_c = X_c X_c^T`` for Whisper; not defined for Wisp+).
     :param ignore: as llmcompressor's, but defaults to ``["lm_head"]`` (the paper does
         not prune the LM head, and tied embeddings would be pruned with it).
     """
@@ -51,12 +63,23 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     difference_targets: list[str] = Field(default_factory=lambda: list(DEFAULT_DIFFERENCE_TARGETS))
     seed: int = 0
     num_permutations: int = Field(default=1, ge=1)
+    pairing: Literal["random", "nearest", "centered"] = "random"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
 
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
     _pair_sources: dict[torch.nn.Module, torch.nn.Module] = PrivateAttr(default_factory=dict)
     _last_differences: tuple | None = PrivateAttr(default=None)
+    _centering: dict[torch.nn.Module, tuple[torch.Tensor, int]] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _validate_pairing(self):
+        if self.pairing != "random" and self.num_permutations != 1:
+            raise ValueError(
+                f"num_permutations applies to pairing 'random' only; pairing "
+                f"{self.pairing!r} takes num_permutations: 1"
+            )
+        return self
 
     # -- routing ---------------------------------------------------------------------
 
@@ -141,7 +164,8 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         """The module whose pairs ``module`` uses (itself unless its input is shared)."""
         return self._pair_sources[module]
 
-    def _draw_differences(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def check_input(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A hook's input as ``[b, seq_len, m]``, after the checks every pairing needs."""
         name = self._module_names[module]
         if x.dim() == 2:
             x = x.unsqueeze(0)
@@ -156,7 +180,15 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 f"{name} received NaN or inf activations; the calibration statistics "
                 "would be meaningless (check the model dtype and calibration data)"
             )
-        module_id = zlib.crc32(name.encode())
+        return x
+
+    def _draw_differences(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = self.check_input(module, x)
+        if self.pairing == "nearest":
+            return torch.stack([nearest_neighbour_differences(sequence) for sequence in x])
+        if self.pairing != "random":
+            raise RuntimeError(f"pairing {self.pairing!r} forms no explicit pairs")
+        module_id = zlib.crc32(self._module_names[module].encode())
         first = self._sequences_seen.get(module, 0)
         self._sequences_seen[module] = first + x.shape[0]
         return torch.stack(
@@ -171,6 +203,27 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
             ]
         )
 
+    def accumulate_centering(self, module: torch.nn.Module, x: torch.Tensor, accumulate):
+        """Accumulate ``s x_bar x_bar^T`` (or its diagonal) per sequence with
+        ``accumulate`` (``accumulate_gram`` or ``accumulate_channel_norms``): with the
+        uncentered statistic the parent keeps, it gives the centered one by subtraction.
+        Costs one mean per sequence."""
+        means = scaled_sequence_means(self.check_input(module, x))
+        if module not in self._centering:
+            m = means.shape[-1]
+            shape = (m, m) if accumulate is accumulate_gram else (m,)
+            self._centering[module] = (means.new_zeros(shape), 0)
+        self._centering[module] = accumulate(*self._centering[module], means)
+
+    def centered(self, module: torch.nn.Module, uncentered: torch.Tensor) -> torch.Tensor:
+        """``uncentered - s x_bar x_bar^T`` (diagonal entries clamped at 0)."""
+        correction, _ = self._centering.pop(module)
+        centered = uncentered - correction.to(uncentered.device)
+        if centered.dim() == 1:
+            return centered.clamp_min(0)
+        centered.diagonal().clamp_(min=0)
+        return centered
+
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._last_differences = None  # the layer is done: release its last batch
         super().on_sequential_epoch_end(state, event, **kwargs)
@@ -180,3 +233,4 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         self._sequences_seen = dict()
         self._pair_sources = dict()
         self._last_differences = None
+        self._centering = dict()

@@ -55,6 +55,9 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     def calibrate_module(self, module, args, _output):
         if not self.is_difference_module(module):
             return super().calibrate_module(module, args, _output)
+        if self.pairing == "centered":  # H_c = H - s x_bar x_bar^T: H is computed anyway
+            super().calibrate_module(module, args, _output)
+            return self.accumulate_centering(module, args[0], accumulate_gram)
         differences = self.sequence_differences(module, args[0])
         if self.pair_source(module) is not module:
             return  # same input and pairs as its source: H and H_Delta are the source's
@@ -73,6 +76,8 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
 
     def compress_modules(self):
         """Form ``H~`` for each difference module, then run SparseGPT's solver on all."""
+        for module in list(self._centering):
+            self._difference_hessians[module] = self.centered(module, self._hessians[module])
         for module, source in self._pair_sources.items():
             if source is not module and source in self._difference_hessians:  # this layer
                 self._hessians[module] = self._hessians[source].clone()

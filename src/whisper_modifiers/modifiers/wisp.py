@@ -11,11 +11,15 @@ from llmcompressor.modifiers.pruning.wanda import WandaPruningModifier
 from llmcompressor.modifiers.pruning.wanda.wanda_sparsify import make_empty_row_scalars
 from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase
 from whisper_modifiers.solvers import prune_by_score, ria_scores, wanda_scores
-from whisper_modifiers.statistics import accumulate_channel_norms, neuronwise_difference
+from whisper_modifiers.statistics import (
+    accumulate_channel_norms,
+    mapping_difficulty,
+    neuronwise_difference,
+)
 
 __all__ = [
     "RIAModifier",
@@ -57,7 +61,12 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
     def calibrate_module(self, module, args, _output):
         if not self.is_difference_module(module):
             return super().calibrate_module(module, args, _output)
-        differences = self.sequence_differences(module, args[0])
+        if self.pairing == "centered":  # ||X_c,j||^2 = ||X_j||^2 - s x_bar_j^2
+            super().calibrate_module(module, args, _output)
+            return self.accumulate_centering(module, args[0], accumulate_channel_norms)
+        self._accumulate_difference_norms(module, self.sequence_differences(module, args[0]))
+
+    def _accumulate_difference_norms(self, module, differences: torch.Tensor):
         if module not in self._num_samples:
             self._row_scalars[module] = make_empty_row_scalars(module, differences.device)
             self._num_samples[module] = 0
@@ -72,8 +81,10 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
     def compress_modules(self):
         for module in list(self._num_samples):
             count = self._num_samples.pop(module)
-            channel_norms = self._row_scalars.pop(module).sqrt()
-            self._prune(module, channel_norms, count)
+            squared_norms = self._row_scalars.pop(module)
+            if module in self._centering:
+                squared_norms = self.centered(module, squared_norms)
+            self._prune(module, squared_norms.sqrt(), count)
 
     def _prune(self, module, channel_scale: torch.Tensor, count: int):
         name = self._module_names[module]
@@ -116,27 +127,48 @@ class WispPlusModifier(WispModifier):
 
     :param pair_fraction: ``K / s``, the fraction of a sequence's sampled pairs each
         neuron keeps (``K = max(1, round(pair_fraction * s))``); 0.005 in the paper.
+    :param specialized_fraction: the fraction of each layer's neurons, highest mapping
+        difficulty first, that get the neuronwise statistic; the others get Wisp's
+        ``||dX_j||_2`` (appendix "From Wisp to Wisp+"; 1.0 is Wisp+, 0.0 is Wisp).
     """
 
     pair_fraction: float = Field(default=0.005, gt=0.0, le=1.0)
+    specialized_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
 
     _neuronwise_sums: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
     _neuronwise_counts: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
+    _difficulty_sums: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _validate_wisp_plus(self):
+        if self.pairing == "centered":
+            raise ValueError(
+                "pairing 'centered' is not defined for Wisp+: its neuron-specific pair "
+                "selection needs explicit pairs (use 'random' or 'nearest')"
+            )
+        if self.specialized_fraction < 1 and self.comparison_group == "layer":
+            raise ValueError(
+                "specialized_fraction < 1 mixes two statistics of different scales across "
+                "rows; it needs comparison_group 'row'"
+            )
+        return self
 
     def calibrate_module(self, module, args, _output):
         if not self.is_difference_module(module):
             return WandaPruningModifier.calibrate_module(self, module, args, _output)
         differences = self.sequence_differences(module, args[0])
         self._neuronwise_counts.setdefault(module, 0)
+        specializing = self.specialized_fraction < 1
+        if specializing:
+            self._accumulate_difference_norms(module, differences)
         with align_module_device(module):
             for sequence in differences:
                 statistic = neuronwise_difference(module.weight, sequence, self.pair_fraction)
                 if statistic is None:
                     continue
-                if module in self._neuronwise_sums:
-                    self._neuronwise_sums[module] += statistic
-                else:
-                    self._neuronwise_sums[module] = statistic
+                _add(self._neuronwise_sums, module, statistic)
+                if specializing:
+                    _add(self._difficulty_sums, module, mapping_difficulty(module.weight, sequence))
                 self._neuronwise_counts[module] += 1
 
     def compress_modules(self):
@@ -147,14 +179,35 @@ class WispPlusModifier(WispModifier):
                     f"{self._module_names[module]}: every sampled pair of every calibration "
                     "sequence had zero input distance, so Wisp+ has no pair to select"
                 )
-            self._prune(module, self._neuronwise_sums.pop(module) / count, count)
+            statistic = self._neuronwise_sums.pop(module) / count
+            if self.specialized_fraction < 1:
+                statistic = self._specialize(module, statistic)
+            self._prune(module, statistic, count)
         super().compress_modules()
+
+    def _specialize(self, module, neuronwise: torch.Tensor) -> torch.Tensor:
+        """Wisp+'s rows for the most difficult neurons, Wisp's for the rest."""
+        difficulty = self._difficulty_sums.pop(module)
+        self._num_samples.pop(module)
+        wisp = self._row_scalars.pop(module).sqrt().to(neuronwise.device)
+        statistic = wisp.expand_as(neuronwise).clone()
+        specialized = difficulty.topk(round(self.specialized_fraction * len(difficulty))).indices
+        statistic[specialized] = neuronwise[specialized]
+        return statistic
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         if self._neuronwise_counts:
             raise ValueError(f"Failed to compress {len(self._neuronwise_counts)} modules")
         self._neuronwise_sums = dict()
+        self._difficulty_sums = dict()
         return super().on_finalize(state, **kwargs)
+
+
+def _add(sums: dict, key, value: torch.Tensor):
+    if key in sums:
+        sums[key] += value
+    else:
+        sums[key] = value
 
 
 class RIAScoring(BaseModel):

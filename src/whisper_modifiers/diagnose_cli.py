@@ -1,0 +1,163 @@
+"""``whisper-diagnose``: the diagnostics of one layer, as JSON and PNG figures.
+
+whisper-diagnose                                   # embedded SmolLM2, a middle gate_proj
+whisper-diagnose --model DIR --module model.layers.3.mlp.up_proj --out diagnostics/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_SPARSITIES = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+DEFAULT_GAMMAS = [0.0, 0.001, 0.01, 0.1, 0.3, 1.0]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="whisper-diagnose", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="hub id or local dir (default: embedded)")
+    parser.add_argument(
+        "--module", default=None, help="Linear module (default: the middle layer's gate_proj)"
+    )
+    parser.add_argument("--calibration", default="embedded")
+    parser.add_argument("--num-sequences", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sparsities", type=float, nargs="+", default=DEFAULT_SPARSITIES)
+    parser.add_argument("--gammas", type=float, nargs="+", default=DEFAULT_GAMMAS)
+    parser.add_argument("--out", type=Path, default=Path("diagnostics"))
+    return parser.parse_args(argv)
+
+
+def run(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from whisper_modifiers import diagnostics as d
+    from whisper_modifiers.data import load_corpus, sample_sequences
+    from whisper_modifiers.models import resolve_model
+    from whisper_modifiers.statistics import mapping_difficulty
+
+    model_id = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32).eval()
+    name = args.module
+    if name is None:
+        layers = model.config.num_hidden_layers
+        name = f"model.layers.{layers // 2}.mlp.gate_proj"
+    try:
+        module = model.get_submodule(name)
+    except AttributeError as error:
+        raise SystemExit(f"whisper-diagnose: error: no module {name!r} in {model_id}") from error
+    ids = tokenizer(load_corpus(args.calibration, "train"), add_special_tokens=False)["input_ids"]
+    sequences = sample_sequences(ids, args.num_sequences, args.seq_len, args.seed)
+    inputs = d.capture_inputs(model, name, sequences)
+    pairs = d.sequence_pairs(inputs, args.seed, name)
+    weight = module.weight.detach().float()
+
+    outputs = torch.cat(inputs) @ weight.t()
+    wasserstein = d.wasserstein_to_normal(outputs.t())
+    neurons = d.wasserstein_neurons(wasserstein)
+    difficulty = mapping_difficulty(weight, torch.cat(pairs))
+    scores = d.saliencies(weight, inputs, pairs)
+    preserved = d.difficulty_under_pruning(weight, inputs, pairs, args.sparsities, neurons=neurons)
+    sweep = d.gamma_sweep(weight, inputs, pairs, args.gammas)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": model_id,
+        "module": name,
+        "calibration": {
+            "source": args.calibration,
+            "num_sequences": args.num_sequences,
+            "seq_len": args.seq_len,
+            "seed": args.seed,
+        },  # fmt: skip
+        "wasserstein_neurons": neurons.tolist(),
+        "mapping_difficulty": difficulty.tolist(),
+        "wasserstein_distance": wasserstein.tolist(),
+        "correlation_difficulty_wasserstein": float(
+            torch.corrcoef(torch.stack([difficulty, wasserstein]))[0, 1]
+        ),
+        "difficulty_preserved": {"sparsities": args.sparsities, **preserved},
+        "gamma_sweep": sweep,
+    }
+    (args.out / "diagnostics.json").write_text(json.dumps(report, indent=2))
+    _plot(args.out, scores, neurons, preserved, args.sparsities, sweep, name)
+    return report
+
+
+def _plot(out, scores, neurons, preserved, sparsities, sweep, name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    wanda = scores["wanda"].reshape(-1)
+    sample = torch.randperm(wanda.numel(), generator=generator)[:20000]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, method in zip(axes, ("wisp", "wisp_plus"), strict=True):
+        ax.scatter(wanda[sample], scores[method].reshape(-1)[sample], s=1, alpha=0.3)
+        ax.set(xscale="log", yscale="log", xlabel="Wanda saliency",
+               ylabel=f"{method} saliency", title=f"{method} vs Wanda ({name})")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(out / "saliency_scatter.png", dpi=110)
+    plt.close(fig)
+
+    random = torch.randperm(scores["wanda"].shape[0], generator=generator)[: len(neurons)]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (method, matrix) in zip(axes, scores.items(), strict=True):
+        normalised = (matrix / matrix.mean()).clamp_min(1e-12).log10()
+        ax.hist(normalised[random].reshape(-1), bins=60, alpha=0.6, density=True,
+                label="random neurons")  # fmt: skip
+        ax.hist(normalised[neurons].reshape(-1), bins=60, alpha=0.6, density=True,
+                label="Wasserstein neurons (top 1%)")  # fmt: skip
+        ax.set(title=method, xlabel="log10 saliency / layer mean")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "saliency_distributions.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for method, values in preserved.items():
+        ax.plot(sparsities, values, marker="o", label=method)
+    ax.set(xlabel="sparsity (this layer alone)", ylabel="mapping difficulty kept (pruned/dense)",
+           title="Wasserstein neurons' mapping difficulty under pruning")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "difficulty_vs_sparsity.png", dpi=110)
+    plt.close(fig)
+
+    gammas = [row["gamma"] for row in sweep]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, label in zip(axes, ("mse_differences", "mse_outputs", "r2_means"),
+                              ("relative MSE of W dX", "relative MSE of W X",
+                               "R² of neuronwise output means"), strict=True):  # fmt: skip
+        ax.plot([max(g, 1e-4) for g in gammas], [row[key] for row in sweep], marker="o")
+        ax.set(xscale="log", xlabel="gamma (0 plotted at 1e-4)", ylabel=label)
+    fig.tight_layout()
+    fig.savefig(out / "gamma_sweep.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    report = run(parse_args(argv))
+    print(f"{report['module']}: Wasserstein neurons {report['wasserstein_neurons']}")
+    print(f"correlation(mapping difficulty, Wasserstein distance) = "
+          f"{report['correlation_difficulty_wasserstein']:.3f}")  # fmt: skip
+    for row in report["gamma_sweep"]:
+        print(
+            f"gamma {row['gamma']:<6} MSE(WX) {row['mse_outputs']:.4f}  "
+            f"MSE(WdX) {row['mse_differences']:.4f}  R2(means) {row['r2_means']:.4f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
