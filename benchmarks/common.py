@@ -145,6 +145,69 @@ def prune(model, tokenizer, dataset, recipe) -> tuple[float, int]:
     return seconds, memory.bytes
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``"whisper"`` or ``"whisper:gamma=0.1;pairing=centered"`` -> (method, options).
+    Option values are read as YAML (numbers, strings, ``[lists]``)."""
+    import yaml
+
+    from whisper_modifiers.methods import METHODS
+
+    method, _, rest = text.partition(":")
+    if method not in METHODS:
+        raise SystemExit(f"unknown method {method!r} in {text!r}; known: {', '.join(METHODS)}")
+    options = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        options[key.strip()] = yaml.safe_load(value)
+    return method, options
+
+
+def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, seeds,
+                 num_sequences=None, seq_len=None, table=None, on_cell=None) -> dict:  # fmt: skip
+    """Prune and evaluate every (sparsity, variant, seed) into ``table``
+    (``{sparsity label: {variant: cell}}``, a cell holding the runs and mean +- s.e.m.);
+    ``on_cell()`` is called after each cell."""
+    from whisper_modifiers.evaluation import perplexity
+    from whisper_modifiers.methods import build_recipe
+
+    table = {} if table is None else table
+    for label in sparsity_labels:
+        sparsity, structure = parse_sparsity(label)
+        for variant in variants:
+            method, options = parse_variant(variant)
+            runs = []
+            for seed in range(seeds):
+                model, _ = load(spec)
+                dataset = calibration_set(spec, tokenizer, seed, num_sequences, seq_len)
+                recipe = build_recipe(method, sparsity, structure, seed, **options)
+                seconds, memory = prune(model, tokenizer, dataset, recipe)
+                ppl = perplexity(model, eval_ids, spec.eval_seq_len, windows)
+                runs.append({"seed": seed, "perplexity": ppl, "seconds": seconds,
+                             "peak_bytes": memory})  # fmt: skip
+                print(f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl {ppl:.3f}  "
+                      f"{seconds:.1f} s", flush=True)  # fmt: skip
+            ppl_mean, ppl_sem = mean_sem([r["perplexity"] for r in runs])
+            time_mean, time_sem = mean_sem([r["seconds"] for r in runs])
+            table.setdefault(label, {})[variant] = {
+                "runs": runs,
+                "perplexity": ppl_mean,
+                "perplexity_sem": ppl_sem,
+                "seconds": time_mean,
+                "seconds_sem": time_sem,
+            }
+            if on_cell is not None:
+                on_cell()
+    return table
+
+
+def parse_sparsity(label: str) -> tuple[float, str]:
+    """``"2:4"`` -> (0.5, "2:4"); ``"0.65"`` -> (0.65, "0:0")."""
+    if ":" in label:
+        n, m = (int(x) for x in label.split(":"))
+        return n / m, label
+    return float(label), "0:0"
+
+
 def mean_sem(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     sem = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")

@@ -22,28 +22,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     RESULTS,
-    calibration_set,
     evaluation_ids,
     load,
-    mean_sem,
     model_specs,
-    prune,
     quiet_logs,
+    run_variants,
     write_json,
 )
 
 SWEEP = ["0.5", "0.55", "0.6", "0.65", "0.7", "0.75"]
 
 
-def parse_sparsity(label: str) -> tuple[float, str]:
-    if ":" in label:
-        n, m = (int(x) for x in label.split(":"))
-        return n / m, label
-    return float(label), "0:0"
-
-
 def main(argv=None) -> int:
-    from whisper_modifiers.methods import COMPOSITE_METHODS, MAIN_METHODS, METHODS
+    from whisper_modifiers.methods import COMPOSITE_METHODS, MAIN_METHODS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["stories260K", "smollm2-135m"])
@@ -51,8 +42,8 @@ def main(argv=None) -> int:
         "--methods",
         nargs="+",
         default=None,
-        choices=list(METHODS),
-        help=f"default: {' '.join(MAIN_METHODS)}",
+        help=f"methods, or variants such as 'whisper:gamma=0.1' (default: "
+        f"{' '.join(MAIN_METHODS)})",
     )
     parser.add_argument(
         "--composites",
@@ -79,7 +70,6 @@ def main(argv=None) -> int:
     quiet_logs()
 
     from whisper_modifiers.evaluation import perplexity
-    from whisper_modifiers.methods import build_recipe
 
     sparsities = list(dict.fromkeys(args.sparsities + (SWEEP if args.sweep else [])))
     specs = model_specs()
@@ -102,32 +92,11 @@ def main(argv=None) -> int:
             "dense": dense,
             "runs": {},
         }
-        for label in sparsities:
-            sparsity, structure = parse_sparsity(label)
-            for method in args.methods:
-                runs = []
-                for seed in range(args.seeds):
-                    model, _ = load(spec)
-                    dataset = calibration_set(
-                        spec, tokenizer, seed, args.num_sequences, args.seq_len
-                    )
-                    recipe = build_recipe(method, sparsity, structure, seed)
-                    seconds, memory = prune(model, tokenizer, dataset, recipe)
-                    ppl = perplexity(model, eval_ids, spec.eval_seq_len, windows)
-                    runs.append({"seed": seed, "perplexity": ppl, "seconds": seconds,
-                                 "peak_bytes": memory})  # fmt: skip
-                    print(f"[{model_name}] {label:>5} {method:<10} seed {seed}: "
-                          f"ppl {ppl:.3f}  {seconds:.1f} s", flush=True)  # fmt: skip
-                ppl_mean, ppl_sem = mean_sem([r["perplexity"] for r in runs])
-                time_mean, time_sem = mean_sem([r["seconds"] for r in runs])
-                entry["runs"].setdefault(label, {})[method] = {
-                    "runs": runs,
-                    "perplexity": ppl_mean,
-                    "perplexity_sem": ppl_sem,
-                    "seconds": time_mean,
-                    "seconds_sem": time_sem,
-                }
-                write_json(args.out / "quality.json", results)  # partial results survive
+        run_variants(
+            spec, tokenizer, eval_ids, windows, args.methods, sparsities, args.seeds,
+            args.num_sequences, args.seq_len, table=entry["runs"],
+            on_cell=lambda: write_json(args.out / "quality.json", results),  # partial results
+        )  # fmt: skip
     write_json(args.out / "quality.json", results)
     (args.out / "quality.md").write_text(markdown(results))
     plot(results, args.out)

@@ -49,6 +49,21 @@ def resolve_recipe(recipe: str) -> Path:
     return path
 
 
+def load_recipe(path: Path, model) -> list:
+    """The recipe's modifiers; a group-wise quantization scheme (W4A16) leaves the layers
+    it cannot quantize in 16-bit, with a warning, rather than failing mid-run."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.recipe import Recipe
+
+    from whisper_modifiers.quantization import keep_indivisible_unquantized
+
+    modifiers = Recipe.create_instance(str(path)).modifiers
+    for modifier in modifiers:
+        if isinstance(modifier, QuantizationModifier):
+            keep_indivisible_unquantized(modifier, model)
+    return modifiers
+
+
 def holds_checkpoint(directory: Path) -> bool:
     return directory.is_dir() and any(
         (directory / name).exists() for name in ("config.json", "model.safetensors")
@@ -141,6 +156,7 @@ def run(args: argparse.Namespace) -> dict:
     from loguru import logger
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from whisper_modifiers.checkpoint import check_checkpoint, write_record
     from whisper_modifiers.data import calibration_dataset, load_corpus
     from whisper_modifiers.evaluation import perplexity
 
@@ -187,7 +203,7 @@ def run(args: argparse.Namespace) -> dict:
         model=model,
         tokenizer=tokenizer,
         dataset=calibration,
-        recipe=str(recipe),
+        recipe=load_recipe(recipe, model),
         num_calibration_samples=args.num_sequences,
         max_seq_length=args.seq_len,
         shuffle_calibration_samples=False,
@@ -202,6 +218,8 @@ def run(args: argparse.Namespace) -> dict:
         model.save_pretrained(partial, save_compressed=True)
         tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        write_record(partial, model, recipe=str(recipe), source_model=model_id)
+        check_checkpoint(partial)
         if output_dir.exists():
             shutil.rmtree(output_dir)
         os.replace(partial, output_dir)

@@ -1,0 +1,98 @@
+"""Checkpoint checks and the record of what pruning did.
+
+llmcompressor 0.14 saves pruned weights dense (zeros stored) in the compressed-tensors
+layout that transformers and current vLLM load.  ``sparsity_record`` describes each
+Linear (sparsity and pattern) and ``write_record`` stores it, with the method and recipe, as
+``sparsity_record.json`` beside the weights: a file vLLM ignores, unlike a
+``sparsity_config`` with targets in ``config.json``, which current vLLM refuses.
+``check_checkpoint`` fails clearly on a directory that is not a loadable checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["RECORD_FILE", "check_checkpoint", "sparsity_record", "write_record"]
+
+RECORD_FILE = "sparsity_record.json"
+LEGACY_SPARSE_FORMATS = ("sparse-24-bitmask", "sparse-bitmask", "marlin-24")
+
+
+def _pattern(weight: torch.Tensor) -> str:
+    zeros = weight == 0
+    if not zeros.any():
+        return "dense"
+    if weight.shape[1] % 4 == 0 and (zeros.reshape(weight.shape[0], -1, 4).sum(-1) >= 2).all():
+        return "2:4"
+    return "unstructured"
+
+
+def sparsity_record(model: torch.nn.Module) -> dict[str, dict]:
+    """Per Linear module: its sparsity and pattern (``"2:4"`` when every group of four
+    consecutive inputs has at least two zeros, else ``"unstructured"`` or ``"dense"``)."""
+    record = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.detach()
+            record[name] = {
+                "shape": list(weight.shape),
+                "sparsity": round(float((weight == 0).float().mean()), 6),
+                "pattern": _pattern(weight),
+            }
+    return record
+
+
+def write_record(directory: str | Path, model: torch.nn.Module, **details) -> Path:
+    """Write ``sparsity_record.json`` (``details`` such as method and recipe first)."""
+    layers = sparsity_record(model)
+    pruned = [v for v in layers.values() if v["pattern"] != "dense"]
+    summary = {
+        "pruned_layers": len(pruned),
+        "dense_layers": len(layers) - len(pruned),
+        "patterns": sorted({v["pattern"] for v in pruned}),
+    }
+    path = Path(directory) / RECORD_FILE
+    path.write_text(json.dumps({**details, "summary": summary, "layers": layers}, indent=2))
+    return path
+
+
+def check_checkpoint(directory: str | Path) -> dict:
+    """Raise a clear error if ``directory`` is not a complete, loadable checkpoint in a
+    layout current transformers/vLLM read; returns its ``config.json``.
+
+    A legacy sparse compressed-tensors format (``sparse-24-bitmask``, written by
+    compressed-tensors < 0.15) is refused with the way to convert it: current
+    compressed-tensors has no decompressor for it, and vLLM no kernel.
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a checkpoint: config.json is missing")
+    config = json.loads(config_path.read_text())
+    sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
+    if sparsity.get("format") in LEGACY_SPARSE_FORMATS:
+        raise ValueError(
+            f"{directory} stores weights in the legacy {sparsity['format']!r} format of "
+            "compressed-tensors < 0.15, which current compressed-tensors cannot decompress "
+            "and current vLLM cannot serve. Convert it to the dense layout in an environment "
+            "with the old library: pip install 'compressed-tensors<0.15' 'llmcompressor<0.8'; "
+            "then load it with transformers (which decompresses it) and save_pretrained() it "
+            "again, or re-run the recipe on the original model with this package."
+        )
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(s for s in shards if not (directory / s).is_file())
+        if missing:
+            raise FileNotFoundError(
+                f"{directory} is incomplete: its index lists shards that are missing: "
+                f"{', '.join(missing)}"
+            )
+    elif not (directory / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"{directory} is incomplete: no model.safetensors (nor a sharded index)"
+        )
+    return config

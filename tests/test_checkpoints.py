@@ -1,0 +1,93 @@
+"""Pruning chained with quantization, the checkpoint record, and checkpoint checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR
+from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint
+from whisper_modifiers.cli import main
+from whisper_modifiers.quantization import chained_recipe, indivisible_layers
+
+FAST = [
+    "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
+    "--num-sequences", "4", "--seq-len", "64", "--eval-text", str(HELDOUT_TEXT),
+    "--eval-seq-len", "128", "--eval-windows", "2", "--skip-dense-eval",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("recipe", "quant_format"),
+    [
+        ("whisper_2of4_w8a8", "int-quantized"),
+        ("whisper_2of4_fp8", "float-quantized"),
+        ("wisp_plus_2of4_w8a8", "int-quantized"),
+        ("wisp_plus_2of4_fp8", "float-quantized"),
+    ],
+)
+def test_chain_keeps_two_four_after_quantization(tmp_path, recipe, quant_format):
+    out = tmp_path / "ckpt"
+    assert main([*FAST, "--recipe", recipe, "--output-dir", str(out)]) == 0
+    config = check_checkpoint(out)
+    assert config["quantization_config"]["format"] == quant_format
+    assert not config["quantization_config"].get("sparsity_config")  # vLLM refuses targets
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # dequantizes
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            groups = (module.weight == 0).reshape(module.weight.shape[0], -1, 4).sum(-1)
+            assert (groups >= 2).all(), name  # the 2:4 pattern survived quantization
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record["summary"]["patterns"] == ["2:4"]
+    assert record["layers"]["lm_head"]["pattern"] == "dense"
+    report = json.loads((out / "whisper_prune_report.json").read_text())
+    assert math.isfinite(report["pruned_perplexity"])
+
+
+def test_w4a16_keeps_indivisible_layers_in_16_bit(tmp_path):
+    out = tmp_path / "ckpt"
+    assert main([*FAST, "--recipe", "whisper_2of4_w4a16", "--output-dir", str(out)]) == 0
+    check_checkpoint(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) == 2).all()
+
+
+def test_indivisible_layers():
+    model = torch.nn.Sequential()
+    model.add_module("up", torch.nn.Linear(576, 1536))
+    model.add_module("down", torch.nn.Linear(1536, 576))
+    model.add_module("small", torch.nn.Linear(64, 64))
+    assert indivisible_layers(model, "W4A16") == ["up", "small"]
+    assert indivisible_layers(model, "W8A8") == []
+    recipe = chained_recipe("whisper", "W4A16", model)
+    assert recipe[1].ignore == ["lm_head", "up", "small"]
+
+
+def test_legacy_sparse_format_is_refused_with_a_way_out(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama",
+        "quantization_config": {"quant_method": "compressed-tensors", "sparsity_config": {
+            "format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}},
+    }))  # fmt: skip
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="legacy 'sparse-24-bitmask'.*compressed-tensors<0.15"):
+        check_checkpoint(tmp_path)
+
+
+def test_incomplete_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        check_checkpoint(tmp_path)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        check_checkpoint(tmp_path)
