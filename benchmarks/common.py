@@ -128,19 +128,11 @@ class PeakMemory:
 
 def prune(model, tokenizer, dataset, recipe) -> tuple[float, int]:
     """Run ``oneshot``; returns (wall seconds, peak extra memory in bytes)."""
-    from llmcompressor import oneshot
+    from whisper_modifiers.methods import run_oneshot
 
     with PeakMemory() as memory:
         start = time.perf_counter()
-        oneshot(
-            model=model,
-            tokenizer=tokenizer,
-            dataset=dataset,
-            recipe=recipe,
-            num_calibration_samples=len(dataset),
-            max_seq_length=len(dataset[0]["input_ids"]),
-            shuffle_calibration_samples=False,
-        )
+        run_oneshot(model, tokenizer, dataset, recipe)
         seconds = time.perf_counter() - start
     return seconds, memory.bytes
 

@@ -149,6 +149,36 @@ def plot(results, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = results["models"]
+    methods = [m for entry in models.values() for cells in entry["runs"].values() for m in cells]
+    colors = {method: f"C{i % 10}" for i, method in enumerate(dict.fromkeys(methods))}
+    if any(":" not in label for entry in models.values() for label in entry["runs"]):
+        plot_sparsity_sweep(models, colors, out, plt)
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, (model_name, entry) in zip(axes[0], models.items(), strict=True):
+        label = "2:4" if "2:4" in entry["runs"] else next(iter(entry["runs"]))
+        points = sorted((r["seconds"], r["perplexity"], r["perplexity_sem"], method)
+                        for method, r in entry["runs"][label].items())  # fmt: skip
+        for seconds, ppl, sem, method in points:
+            ax.errorbar([seconds], [ppl], yerr=[sem], marker="o", capsize=3, label=method,
+                        color=colors[method])  # fmt: skip
+        front, best = [], float("inf")
+        for seconds, ppl, _, _ in points:  # Pareto front: faster or better than all before
+            if ppl < best:
+                front.append((seconds, ppl))
+                best = ppl
+        ax.step(*zip(*front, strict=True), where="post", color="black", linewidth=1,
+                label="Pareto front")  # fmt: skip
+        ax.set(title=f"{model_name}: perplexity vs pruning time ({label})",
+               xlabel="pruning time (s)", ylabel="perplexity", yscale="log")  # fmt: skip
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "perplexity_vs_time.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_sparsity_sweep(models, colors, out: Path, plt) -> None:
+    """Perplexity against unstructured sparsity, a line per method (paper Figure 1)."""
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, (model_name, entry) in zip(axes[0], models.items(), strict=True):
         labels = [label for label in entry["runs"] if ":" not in label]
@@ -159,39 +189,13 @@ def plot(results, out: Path) -> None:
                 entry["runs"][label][method] for label in labels if method in entry["runs"][label]
             ]
             ax.errorbar(xs, [r["perplexity"] for r in rs], yerr=[r["perplexity_sem"] for r in rs],
-                        marker="o", capsize=3, label=method)  # fmt: skip
+                        marker="o", capsize=3, label=method, color=colors[method])  # fmt: skip
         ax.axhline(entry["dense"], color="gray", linestyle=":", label="dense")
         ax.set(title=f"{model_name}: perplexity vs unstructured sparsity", xlabel="sparsity",
                ylabel="perplexity", yscale="log")  # fmt: skip
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "perplexity_vs_sparsity.png", dpi=120)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, (model_name, entry) in zip(axes[0], models.items(), strict=True):
-        label = "2:4" if "2:4" in entry["runs"] else next(iter(entry["runs"]))
-        points = sorted((r["seconds"], r["perplexity"], r["perplexity_sem"], method)
-                        for method, r in entry["runs"][label].items())  # fmt: skip
-        for seconds, ppl, sem, method in points:
-            ax.errorbar([seconds], [ppl], yerr=[sem], marker="o", capsize=3, label=method)
-        front, best = [], float("inf")
-        for seconds, ppl, _, _ in points:  # Pareto front: faster or better than all before
-            if ppl < best:
-                front.append((seconds, ppl))
-                best = ppl
-        ax.step(
-            *zip(*front, strict=True),
-            where="post",
-            color="black",
-            linewidth=1,
-            label="Pareto front",
-        )
-        ax.set(title=f"{model_name}: perplexity vs pruning time ({label})",
-               xlabel="pruning time (s)", ylabel="perplexity", yscale="log")  # fmt: skip
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "perplexity_vs_time.png", dpi=120)
     plt.close(fig)
 
 

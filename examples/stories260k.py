@@ -9,12 +9,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from llmcompressor import oneshot
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from whisper_modifiers.data import calibration_dataset
 from whisper_modifiers.evaluation import perplexity
-from whisper_modifiers.methods import build_recipe
+from whisper_modifiers.methods import build_recipe, run_oneshot
 
 shared = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parents[2] / "shared")
 model_dir = shared / "models" / "stories260K"
@@ -29,14 +28,6 @@ print(f"dense       perplexity {perplexity(dense, heldout, 256):.2f}")
 for method in ("sparsegpt", "whisper"):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     output = Path(tempfile.mkdtemp()) / f"stories260K-{method}-2of4"
-    oneshot(
-        model=model,
-        tokenizer=tokenizer,
-        dataset=calibration,
-        recipe=build_recipe(method, 0.5, "2:4", seed=0),
-        num_calibration_samples=64,
-        max_seq_length=256,
-        shuffle_calibration_samples=False,
-        output_dir=str(output),
-    )
+    recipe = build_recipe(method, 0.5, "2:4", seed=0)
+    run_oneshot(model, tokenizer, calibration, recipe, output_dir=str(output))
     print(f"{method:<11} perplexity {perplexity(model, heldout, 256):.2f}  saved to {output}")

@@ -54,21 +54,11 @@ def load_model():
 @pytest.fixture
 def run_oneshot(tokenizer, calibration):
     """Prune a fresh stories260K with a recipe; returns the pruned model."""
-    from llmcompressor import oneshot
+    from whisper_modifiers.methods import run_oneshot
 
     def run(recipe, dataset=None, model=None, **kwargs):
         model = load_model() if model is None else model
-        dataset = calibration if dataset is None else dataset
-        oneshot(
-            model=model,
-            tokenizer=tokenizer,
-            dataset=dataset,
-            recipe=recipe,
-            num_calibration_samples=len(dataset),
-            max_seq_length=max(len(r) for r in dataset["input_ids"]),
-            shuffle_calibration_samples=False,
-            **kwargs,
-        )
+        run_oneshot(model, tokenizer, calibration if dataset is None else dataset, recipe, **kwargs)
         return model
 
     return run

@@ -152,13 +152,13 @@ def run(args: argparse.Namespace) -> dict:
             raise UsageError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
 
     import torch
-    from llmcompressor import oneshot
     from loguru import logger
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from whisper_modifiers.checkpoint import check_checkpoint, write_record
     from whisper_modifiers.data import calibration_dataset, load_corpus
     from whisper_modifiers.evaluation import perplexity
+    from whisper_modifiers.methods import run_oneshot
 
     logger.info(f"model {model_id}, recipe {recipe}")
     tokenizer = AutoTokenizer.from_pretrained(model_id)
@@ -199,15 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         logger.info(f"dense perplexity {report['dense_perplexity']:.3f}")
 
     start = time.perf_counter()
-    oneshot(
-        model=model,
-        tokenizer=tokenizer,
-        dataset=calibration,
-        recipe=load_recipe(recipe, model),
-        num_calibration_samples=args.num_sequences,
-        max_seq_length=args.seq_len,
-        shuffle_calibration_samples=False,
-    )
+    run_oneshot(model, tokenizer, calibration, load_recipe(recipe, model))
     report["pruning_seconds"] = time.perf_counter() - start
     report["pruned_perplexity"] = evaluate()
     report["sparsity"] = _linear_sparsity(model, torch)

@@ -21,7 +21,14 @@ from whisper_modifiers.modifiers import (
     WispPlusModifier,
 )
 
-__all__ = ["BASELINE_OF", "COMPOSITE_METHODS", "MAIN_METHODS", "METHODS", "build_recipe"]
+__all__ = [
+    "BASELINE_OF",
+    "COMPOSITE_METHODS",
+    "MAIN_METHODS",
+    "METHODS",
+    "build_recipe",
+    "run_oneshot",
+]
 
 METHODS = {
     "magnitude": OneShotMagnitudeModifier,
@@ -62,3 +69,21 @@ def build_recipe(
     if "seed" in cls.model_fields:
         fields.setdefault("seed", seed)
     return [cls(**fields)]
+
+
+def run_oneshot(model, tokenizer, dataset, recipe, **kwargs):
+    """llmcompressor's ``oneshot`` on every row of ``dataset`` in its given order
+    (``shuffle_calibration_samples=False``: the seeded pairs, and so the masks, are
+    reproducible), one sequence per batch row; ``kwargs`` go to ``oneshot``."""
+    from llmcompressor import oneshot
+
+    return oneshot(
+        model=model,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        recipe=recipe,
+        num_calibration_samples=len(dataset),
+        max_seq_length=max(len(row) for row in dataset["input_ids"]),
+        shuffle_calibration_samples=False,
+        **kwargs,
+    )
