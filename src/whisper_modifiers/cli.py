@@ -57,11 +57,12 @@ def load_recipe(path: Path, model) -> list:
 
     from whisper_modifiers.quantization import keep_indivisible_unquantized
 
-    modifiers = Recipe.create_instance(str(path)).modifiers
-    for modifier in modifiers:
-        if isinstance(modifier, QuantizationModifier):
-            keep_indivisible_unquantized(modifier, model)
-    return modifiers
+    return [
+        keep_indivisible_unquantized(modifier, model)
+        if isinstance(modifier, QuantizationModifier)
+        else modifier
+        for modifier in Recipe.create_instance(str(path)).modifiers
+    ]
 
 
 def holds_checkpoint(directory: Path) -> bool:

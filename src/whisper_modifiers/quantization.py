@@ -47,19 +47,24 @@ def indivisible_layers(model: torch.nn.Module, scheme: str, ignore=("lm_head",))
     ]
 
 
-def keep_indivisible_unquantized(modifier: QuantizationModifier, model: torch.nn.Module):
-    """Add the layers ``modifier``'s scheme cannot quantize to its ``ignore`` (they stay
-    in 16-bit), with a warning that names them."""
+def keep_indivisible_unquantized(
+    modifier: QuantizationModifier, model: torch.nn.Module
+) -> QuantizationModifier:
+    """``modifier`` with the layers its scheme cannot quantize added to ``ignore`` (they
+    stay in 16-bit), with a warning that names them.  A new modifier is built: the
+    modifier caches its resolved configuration, so editing ``ignore`` in place is unsafe."""
     if not isinstance(modifier.scheme, str) or modifier.scheme not in SCHEMES:
-        return
+        return modifier
     kept = indivisible_layers(model, modifier.scheme, modifier.ignore)
-    if kept:
-        logger.warning(
-            f"{modifier.scheme}: {len(kept)} layers have an input size that is not a multiple "
-            f"of the group size and stay unquantized: {', '.join(kept[:6])}"
-            + (" ..." if len(kept) > 6 else "")
-        )
-        modifier.ignore = [*modifier.ignore, *kept]
+    if not kept:
+        return modifier
+    logger.warning(
+        f"{modifier.scheme}: {len(kept)} layers have an input size that is not a multiple "
+        f"of the group size and stay unquantized: {', '.join(kept[:6])}"
+        + (" ..." if len(kept) > 6 else "")
+    )
+    fields = modifier.model_dump(exclude_unset=True) | {"ignore": [*modifier.ignore, *kept]}
+    return type(modifier).model_validate(fields)
 
 
 def quantization_modifier(
@@ -70,9 +75,7 @@ def quantization_modifier(
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     modifier = QuantizationModifier(targets=["Linear"], scheme=scheme, ignore=list(ignore))
-    if model is not None:
-        keep_indivisible_unquantized(modifier, model)
-    return modifier
+    return modifier if model is None else keep_indivisible_unquantized(modifier, model)
 
 
 def chained_recipe(
