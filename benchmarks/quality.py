@@ -82,6 +82,10 @@ def main(argv=None) -> int:
                 "num_sequences": 128, "seq_len": 4096, "eval_seq_len": 4096,
                 "eval_windows": None,
             }))  # fmt: skip
+        spec = type(spec)(**(vars(spec) | {  # what this run really uses, as recorded
+            "num_sequences": args.num_sequences or spec.num_sequences,
+            "seq_len": args.seq_len or spec.seq_len,
+        }))  # fmt: skip
         windows = spec.eval_windows if args.eval_windows is None else (args.eval_windows or None)
         model, tokenizer = load(spec)
         eval_ids = evaluation_ids(spec, tokenizer)
