@@ -67,14 +67,9 @@ def load(spec: ModelSpec):
 
 
 def evaluation_ids(spec: ModelSpec, tokenizer) -> list[int]:
-    from whisper_modifiers.data import load_corpus
-    from whisper_modifiers.evaluation import wikitext2_test_text
+    from whisper_modifiers.evaluation import evaluation_text
 
-    if spec.evaluation == "wikitext2" or spec.evaluation.endswith(".json"):
-        text = wikitext2_test_text(None if spec.evaluation == "wikitext2" else spec.evaluation)
-    else:
-        text = load_corpus(spec.evaluation, split="test")
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(evaluation_text(spec.evaluation), add_special_tokens=False)["input_ids"]
 
 
 def calibration_set(spec: ModelSpec, tokenizer, seed: int, num_sequences=None, seq_len=None):

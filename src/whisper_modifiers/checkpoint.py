@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["RECORD_FILE", "check_checkpoint", "sparsity_record", "write_record"]
+__all__ = [
+    "RECORD_FILE",
+    "check_checkpoint",
+    "overall_sparsity",
+    "sparsity_record",
+    "write_record",
+]
 
 RECORD_FILE = "sparsity_record.json"
 LEGACY_SPARSE_FORMATS = ("sparse-24-bitmask", "sparse-bitmask", "marlin-24")
@@ -45,11 +51,22 @@ def sparsity_record(model: torch.nn.Module) -> dict[str, dict]:
     return record
 
 
+def overall_sparsity(model: torch.nn.Module) -> float:
+    """Fraction of zeros over every Linear weight but the LM head."""
+    zeros = total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            zeros += int((module.weight == 0).sum())
+            total += module.weight.numel()
+    return zeros / max(total, 1)
+
+
 def write_record(directory: str | Path, model: torch.nn.Module, **details) -> Path:
     """Write ``sparsity_record.json`` (``details`` such as method and recipe first)."""
     layers = sparsity_record(model)
     pruned = [v for v in layers.values() if v["pattern"] != "dense"]
     summary = {
+        "sparsity": round(overall_sparsity(model), 6),
         "pruned_layers": len(pruned),
         "dense_layers": len(layers) - len(pruned),
         "patterns": sorted({v["pattern"] for v in pruned}),

@@ -121,17 +121,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def evaluation_text(source: str) -> str:
-    from whisper_modifiers.data import load_corpus
-    from whisper_modifiers.evaluation import wikitext2_test_text
-
-    if source == "wikitext2":
-        return wikitext2_test_text()
-    if source.endswith(".json"):
-        return wikitext2_test_text(source)
-    return load_corpus(source, split="test")
-
-
 def run(args: argparse.Namespace) -> dict:
     from whisper_modifiers.models import resolve_model
 
@@ -152,13 +141,12 @@ def run(args: argparse.Namespace) -> dict:
         if getattr(args, name) < (2 if "seq" in name else 1):
             raise UsageError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
 
-    import torch
     from loguru import logger
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from whisper_modifiers.checkpoint import check_checkpoint, write_record
+    from whisper_modifiers.checkpoint import check_checkpoint, overall_sparsity, write_record
     from whisper_modifiers.data import calibration_dataset, load_corpus
-    from whisper_modifiers.evaluation import perplexity
+    from whisper_modifiers.evaluation import evaluation_text, perplexity
     from whisper_modifiers.methods import run_oneshot
 
     logger.info(f"model {model_id}, recipe {recipe}")
@@ -203,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     run_oneshot(model, tokenizer, calibration, load_recipe(recipe, model))
     report["pruning_seconds"] = time.perf_counter() - start
     report["pruned_perplexity"] = evaluate()
-    report["sparsity"] = _linear_sparsity(model, torch)
+    report["sparsity"] = overall_sparsity(model)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
@@ -221,15 +209,6 @@ def run(args: argparse.Namespace) -> dict:
         raise
     report["output_dir"] = str(output_dir)
     return report
-
-
-def _linear_sparsity(model, torch) -> float:
-    zeros = total = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-            zeros += int((module.weight == 0).sum())
-            total += module.weight.numel()
-    return zeros / max(total, 1)
 
 
 def main(argv=None) -> int:

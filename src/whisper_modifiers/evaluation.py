@@ -9,7 +9,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["PAPER_TASKS", "downstream", "perplexity", "wikitext2_test_text"]
+__all__ = [
+    "PAPER_TASKS",
+    "downstream",
+    "evaluation_text",
+    "perplexity",
+    "wikitext2_test_text",
+]
 
 # The paper's suite (Open LLM Leaderboard v1-like): task -> number of few-shot examples.
 PAPER_TASKS = {
@@ -35,6 +41,18 @@ def wikitext2_test_text(rows_json: str | Path | None = None) -> str:
 
         rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
     return "\n\n".join(rows)
+
+
+def evaluation_text(source: str) -> str:
+    """Held-out text: ``"wikitext2"`` (hub test split), a WikiText-2 rows JSON file, or
+    any ``data.load_corpus`` source (its test part)."""
+    from whisper_modifiers.data import load_corpus
+
+    if source == "wikitext2":
+        return wikitext2_test_text()
+    if str(source).endswith(".json"):
+        return wikitext2_test_text(source)
+    return load_corpus(source, split="test")
 
 
 @torch.no_grad()
