@@ -6,7 +6,9 @@
 Each table is a set of method variants (``method:option=value;...``) run through
 ``quality.py`` at 2:4 (``--sparsities`` to change), each with ``--seeds`` seeds; the
 results land in ``<out>/<table>/quality.{json,md}`` and are merged into
-``<out>/ablation.md`` and ``ablation.json``.
+``<out>/ablation.md`` and ``ablation.json``. Finished runs are kept in ``<out>/runs.json``:
+a variant that is the same run as one in another table (``whisper`` and
+``whisper:num_permutations=1``) is not repeated, and an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def main(argv=None) -> int:
             str(args.seeds),
             "--out",
             str(args.out / table),
+            "--cache",
+            str(args.out / "runs.json"),
         ]
         for flag in ("num_sequences", "seq_len", "eval_windows"):
             if getattr(args, flag) is not None:

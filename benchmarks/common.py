@@ -149,30 +149,46 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return method, options
 
 
+def run_key(spec: ModelSpec, windows, recipe, seed: int) -> str:
+    """What decides a run's result: the protocol, every field of the recipe's modifiers
+    (defaults included, so ``whisper`` and ``whisper:num_permutations=1`` are one run),
+    and the seed."""
+    modifiers = [[type(m).__name__, m.model_dump(mode="json")] for m in recipe]
+    return json.dumps([vars(spec), windows, modifiers, seed], sort_keys=True, default=str)
+
+
 def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, seeds,
-                 num_sequences=None, seq_len=None, table=None, on_cell=None) -> dict:  # fmt: skip
+                 num_sequences=None, seq_len=None, table=None, on_cell=None,
+                 cache=None) -> dict:  # fmt: skip
     """Prune and evaluate every (sparsity, variant, seed) into ``table``
     (``{sparsity label: {variant: cell}}``, a cell holding the runs and mean +- s.e.m.);
-    ``on_cell()`` is called after each cell."""
+    ``on_cell()`` is called after each cell. ``cache`` (a dict, ``run_key`` -> run) holds
+    runs already done: a variant that builds the same recipe as one run before is not
+    run again."""
     from whisper_modifiers.evaluation import perplexity
     from whisper_modifiers.methods import build_recipe
 
     table = {} if table is None else table
+    cache = {} if cache is None else cache
     for label in sparsity_labels:
         sparsity, structure = parse_sparsity(label)
         for variant in variants:
             method, options = parse_variant(variant)
             runs = []
             for seed in range(seeds):
-                model, _ = load(spec)
-                dataset = calibration_set(spec, tokenizer, seed, num_sequences, seq_len)
                 recipe = build_recipe(method, sparsity, structure, seed, **options)
-                seconds, memory = prune(model, tokenizer, dataset, recipe)
-                ppl = perplexity(model, eval_ids, spec.eval_seq_len, windows)
-                runs.append({"seed": seed, "perplexity": ppl, "seconds": seconds,
-                             "peak_bytes": memory})  # fmt: skip
-                print(f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl {ppl:.3f}  "
-                      f"{seconds:.1f} s", flush=True)  # fmt: skip
+                key = run_key(spec, windows, recipe, seed)
+                if key not in cache:
+                    model, _ = load(spec)
+                    dataset = calibration_set(spec, tokenizer, seed, num_sequences, seq_len)
+                    seconds, memory = prune(model, tokenizer, dataset, recipe)
+                    ppl = perplexity(model, eval_ids, spec.eval_seq_len, windows)
+                    cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
+                                  "peak_bytes": memory}  # fmt: skip
+                runs.append(cache[key])
+                print(f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl "
+                      f"{runs[-1]['perplexity']:.3f}  {runs[-1]['seconds']:.1f} s",
+                      flush=True)  # fmt: skip
             ppl_mean, ppl_sem = mean_sem([r["perplexity"] for r in runs])
             time_mean, time_sem = mean_sem([r["seconds"] for r in runs])
             table.setdefault(label, {})[variant] = {

@@ -14,6 +14,7 @@ pair permutation); the table reports mean +- standard error. Writes
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="128 x 4096 WikiText-2 train calibration, full WikiText-2 test (hub access)",
     )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="JSON file of finished runs, read and extended: a run whose protocol, recipe and "
+        "seed are already there is not repeated (resumes an interrupted benchmark)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.methods is None:
@@ -73,7 +81,15 @@ def main(argv=None) -> int:
 
     sparsities = list(dict.fromkeys(args.sparsities + (SWEEP if args.sweep else [])))
     specs = model_specs()
-    results = {"config": vars(args) | {"out": str(args.out)}, "models": {}}
+    results = {"config": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
+               "models": {}}  # fmt: skip
+    cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
+
+    def save_partial():
+        write_json(args.out / "quality.json", results)
+        if args.cache:
+            write_json(args.cache, cache)
+
     for model_name in args.models:
         spec = specs[model_name]
         if args.paper_protocol:
@@ -99,7 +115,7 @@ def main(argv=None) -> int:
         run_variants(
             spec, tokenizer, eval_ids, windows, args.methods, sparsities, args.seeds,
             args.num_sequences, args.seq_len, table=entry["runs"],
-            on_cell=lambda: write_json(args.out / "quality.json", results),  # partial results
+            on_cell=save_partial, cache=cache,
         )  # fmt: skip
     write_json(args.out / "quality.json", results)
     (args.out / "quality.md").write_text(markdown(results))

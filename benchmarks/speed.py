@@ -3,11 +3,14 @@ baseline, measured in one run on the same model and calibration set.
 
     python benchmarks/speed.py                      # SmolLM2-135M, 32 x 512 tokens, 3 reps
     python benchmarks/speed.py --models stories260K --repeats 5
+    python benchmarks/speed.py --pairs centered --out benchmarks/results/centered
 
 Every measurement runs in a fresh process (so peak memory is not hidden by memory the
 allocator kept from an earlier run); baseline and method alternate, and the ratio of the
 medians is reported. Targets (issue #3): Wisp <= 1.02x Wanda, Wisp+ <= 1.5x Wanda,
-Whisper <= 1.03x SparseGPT in time, and peak memory <= 1.1x the baseline.
+Whisper <= 1.03x SparseGPT in time, and peak memory <= 1.1x the baseline. The centered
+variants (issue #6) are held to the same targets as their random-pair parents: they
+are derived from the sums the baseline keeps plus per-sequence means.
 """
 
 from __future__ import annotations
@@ -26,48 +29,51 @@ from common import (  # noqa: E402
     calibration_set,
     load,
     model_specs,
+    parse_variant,
     prune,
     quiet_logs,
     write_json,
 )
 
-PAIRS = [("wanda", "wisp", 1.02), ("wanda", "wisp_plus", 1.5), ("sparsegpt", "whisper", 1.03)]
-# The composites have no target of their own; they are held to their parents' targets.
-COMPOSITE_PAIRS = [
-    ("ria", "ria_wisp", 1.02),
-    ("ria", "ria_wisp_plus", 1.5),
-    ("alps", "alps_whisper", 1.03),
-    ("sparsegpt", "alps", float("inf")),  # ALPS's own cost, measured against SparseGPT
-]
+# (baseline, method or "method:option=value" variant, time target)
+PAIRS = {
+    "main": [("wanda", "wisp", 1.02), ("wanda", "wisp_plus", 1.5),
+             ("sparsegpt", "whisper", 1.03)],
+    "centered": [("wanda", "wisp:pairing=centered", 1.02),
+                 ("sparsegpt", "whisper:pairing=centered", 1.03)],
+    # The composites have no target of their own; they are held to their parents' targets.
+    "composites": [("ria", "ria_wisp", 1.02), ("ria", "ria_wisp_plus", 1.5),
+                   ("alps", "alps_whisper", 1.03),
+                   ("sparsegpt", "alps", float("inf"))],  # ALPS's cost against SparseGPT
+}  # fmt: skip
 MEMORY_TARGET = 1.1
 
 
-def measure(model_name, method, structure, num_sequences, seq_len, options, queue):
+def measure(model_name, variant, structure, num_sequences, seq_len, queue):
     quiet_logs()
     from whisper_modifiers.methods import build_recipe
 
     spec = model_specs()[model_name]
     model, tokenizer = load(spec)
     dataset = calibration_set(spec, tokenizer, 0, num_sequences, seq_len)
-    sparsity = 0.5
-    recipe = build_recipe(method, sparsity, structure, 0, **options)
+    method, options = parse_variant(variant)
+    recipe = build_recipe(method, 0.5, structure, 0, **options)
     seconds, peak = prune(model, tokenizer, dataset, recipe)
     queue.put((seconds, peak))
 
 
-def run_one(model_name, method, args, options=None) -> tuple[float, int]:
+def run_one(model_name, variant, args) -> tuple[float, int]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     process = context.Process(
         target=measure,
-        args=(model_name, method, args.structure, args.num_sequences, args.seq_len,
-              options or {}, queue),
-    )  # fmt: skip
+        args=(model_name, variant, args.structure, args.num_sequences, args.seq_len, queue),
+    )
     process.start()
     result = queue.get()
     process.join()
     if process.exitcode:
-        raise RuntimeError(f"{method} failed with exit code {process.exitcode}")
+        raise RuntimeError(f"{variant} failed with exit code {process.exitcode}")
     return result
 
 
@@ -78,10 +84,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--structure", default="2:4")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--composites", action="store_true", help="RIA and ALPS pairs too")
+    parser.add_argument("--pairs", nargs="+", default=["main", "centered"], choices=list(PAIRS))
+    parser.add_argument("--composites", action="store_true", help="add the RIA and ALPS pairs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    pairs = PAIRS + (COMPOSITE_PAIRS if args.composites else [])
+    groups = list(dict.fromkeys(args.pairs + (["composites"] if args.composites else [])))
+    pairs = [pair for group in groups for pair in PAIRS[group]]
 
     report = {"config": vars(args) | {"out": str(args.out)}, "models": {}}
     lines = [
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
                 seconds, peak = run_one(model_name, method, args)
                 times.setdefault(method, []).append(seconds)
                 peaks.setdefault(method, []).append(peak)
-                print(f"[{model_name}] rep {rep} {method:<10} {seconds:7.2f} s  "
+                print(f"[{model_name}] rep {rep} {method:<24} {seconds:7.2f} s  "
                       f"peak +{peak / 2**20:7.1f} MiB", flush=True)  # fmt: skip
         rows = []
         for baseline, method, target in pairs:

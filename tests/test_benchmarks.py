@@ -30,3 +30,37 @@ def test_quality_benchmark_writes_tables_and_plots(tmp_path):
     assert "| wisp |" in table and "2:4 ppl" in table
     for png in ("perplexity_vs_sparsity.png", "perplexity_vs_time.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
+    import common
+
+    cache = tmp_path / "runs.json"
+    argv = ["--models", "stories260K", "--seeds", "2", "--num-sequences", "4", "--seq-len", "64",
+            "--cache", str(cache), "--out", str(tmp_path)]  # fmt: skip
+    # num_permutations=1 is the default: the same recipe, so the same two runs
+    assert quality.main([*argv, "--methods", "wisp", "wisp:num_permutations=1"]) == 0
+    runs = json.loads(cache.read_text())
+    assert len(runs) == 2
+    first = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
+    assert first["2:4"]["wisp"] == first["2:4"]["wisp:num_permutations=1"]
+
+    def no_pruning(*args, **kwargs):
+        raise AssertionError("a cached run was pruned again")
+
+    monkeypatch.setattr(common, "prune", no_pruning)
+    assert quality.main([*argv, "--methods", "wisp:num_permutations=1"]) == 0  # resumes
+    again = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
+    assert again["2:4"]["wisp:num_permutations=1"] == first["2:4"]["wisp"]
+
+
+def test_speed_benchmark_reports_centered_ratios(tmp_path):
+    import speed
+
+    argv = ["--models", "stories260K", "--pairs", "centered", "--repeats", "1",
+            "--num-sequences", "4", "--seq-len", "64", "--out", str(tmp_path)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["models"]["stories260K"]["ratios"]
+    assert [r["method"] for r in rows] == ["wisp:pairing=centered", "whisper:pairing=centered"]
+    assert all(r["time_ratio"] > 0 and r["memory_ratio"] > 0 for r in rows)
+    assert "wisp:pairing=centered / wanda" in (tmp_path / "speed.md").read_text()

@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, RECIPES
-from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint
+from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.cli import main
 from whisper_modifiers.quantization import chained_recipe, indivisible_layers
 
@@ -36,7 +35,7 @@ def test_chain_keeps_two_four_after_quantization(tmp_path, recipe, quant_format)
     config = check_checkpoint(out)
     assert config["quantization_config"]["format"] == quant_format
     assert not config["quantization_config"].get("sparsity_config")  # vLLM refuses targets
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # dequantizes
+    model = load_checkpoint(out)  # dequantizes
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
             groups = (module.weight == 0).reshape(module.weight.shape[0], -1, 4).sum(-1)
@@ -56,7 +55,7 @@ def test_w4a16_keeps_indivisible_layers_in_16_bit(tmp_path, run_oneshot):
     out = tmp_path / "ckpt"
     assert main([*FAST, "--recipe", "whisper_2of4_w4a16", "--output-dir", str(out)]) == 0
     check_checkpoint(out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = load_checkpoint(out)
     gate = model.model.layers[0].mlp.gate_proj.weight
     assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) == 2).all()
 
@@ -96,3 +95,33 @@ def test_incomplete_checkpoints(tmp_path):
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
         check_checkpoint(tmp_path)
+
+
+def test_packed_w4a16_checkpoint_is_recorded_and_reloads(tmp_path):
+    # Group size 32 so that stories260K's 64-input layers really are packed to 4 bits (its
+    # 172-input down_proj is ignored); the record is taken before saving, because a packed
+    # module has no `weight` any more once save_pretrained has compressed it.
+    recipe = tmp_path / "whisper_2of4_w4a16_g32.yaml"
+    recipe.write_text(
+        (RECIPES / "whisper_2of4_w4a16.yaml")
+        .read_text()
+        .replace(
+            '      scheme: W4A16\n      ignore: ["lm_head"]',
+            '      ignore: ["lm_head", "re:.*down_proj$"]\n'
+            "      config_groups:\n"
+            "        group_0:\n"
+            '          targets: ["Linear"]\n'
+            "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group,"
+            " group_size: 32}",
+        )
+    )
+    out = tmp_path / "ckpt"
+    assert main([*FAST, "--recipe", str(recipe), "--output-dir", str(out)]) == 0
+    config = check_checkpoint(out)
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert record["modifiers"] == ["WhisperModifier", "QuantizationModifier"]
+    assert record["layers"]["model.layers.0.mlp.gate_proj"]["pattern"] == "2:4"
+    model = load_checkpoint(out)  # unpacks
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) >= 2).all()

@@ -2,10 +2,12 @@
 
 llmcompressor 0.14 saves pruned weights dense (zeros stored) in the compressed-tensors
 layout that transformers and current vLLM load.  ``sparsity_record`` describes each
-Linear (sparsity and pattern) and ``write_record`` stores it, with the method and recipe, as
-``sparsity_record.json`` beside the weights: a file vLLM ignores, unlike a
-``sparsity_config`` with targets in ``config.json``, which current vLLM refuses.
-``check_checkpoint`` fails clearly on a directory that is not a loadable checkpoint.
+Linear (sparsity and pattern) with the method and recipe, taken from the model in memory
+before it is saved (a packed W4A16 module has no ``weight`` after saving), and
+``write_record`` stores it as ``sparsity_record.json`` beside the weights: a file vLLM
+ignores, unlike a ``sparsity_config`` with targets in ``config.json``, which current vLLM
+refuses. ``check_checkpoint`` fails clearly on a directory that is not a loadable
+checkpoint; ``load_checkpoint`` loads one in transformers with its weights dequantized.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 __all__ = [
     "RECORD_FILE",
     "check_checkpoint",
+    "layer_sparsity",
+    "load_checkpoint",
     "overall_sparsity",
     "sparsity_record",
     "write_record",
@@ -36,7 +40,7 @@ def _pattern(weight: torch.Tensor) -> str:
     return "unstructured"
 
 
-def sparsity_record(model: torch.nn.Module) -> dict[str, dict]:
+def layer_sparsity(model: torch.nn.Module) -> dict[str, dict]:
     """Per Linear module: its sparsity and pattern (``"2:4"`` when every group of four
     consecutive inputs has at least two zeros, else ``"unstructured"`` or ``"dense"``)."""
     record = {}
@@ -61,9 +65,11 @@ def overall_sparsity(model: torch.nn.Module) -> float:
     return zeros / max(total, 1)
 
 
-def write_record(directory: str | Path, model: torch.nn.Module, **details) -> Path:
-    """Write ``sparsity_record.json`` (``details`` such as method and recipe first)."""
-    layers = sparsity_record(model)
+def sparsity_record(model: torch.nn.Module, **details) -> dict:
+    """What pruning did to ``model`` (call it before saving): ``details`` (method, recipe,
+    source model), a summary (overall sparsity, pruned and dense layer counts, patterns)
+    and ``layer_sparsity``."""
+    layers = layer_sparsity(model)
     pruned = [v for v in layers.values() if v["pattern"] != "dense"]
     summary = {
         "sparsity": round(overall_sparsity(model), 6),
@@ -71,8 +77,13 @@ def write_record(directory: str | Path, model: torch.nn.Module, **details) -> Pa
         "dense_layers": len(layers) - len(pruned),
         "patterns": sorted({v["pattern"] for v in pruned}),
     }
+    return {**details, "summary": summary, "layers": layers}
+
+
+def write_record(directory: str | Path, record: dict) -> Path:
+    """Write ``record`` (from ``sparsity_record``) as ``sparsity_record.json``."""
     path = Path(directory) / RECORD_FILE
-    path.write_text(json.dumps({**details, "summary": summary, "layers": layers}, indent=2))
+    path.write_text(json.dumps(record, indent=2))
     return path
 
 
@@ -113,3 +124,18 @@ def check_checkpoint(directory: str | Path) -> dict:
             f"{directory} is incomplete: no model.safetensors (nor a sharded index)"
         )
     return config
+
+
+def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
+    """``check_checkpoint``, then load it with transformers, quantized weights dequantized
+    to ``dtype`` (``run_compressed=False``: a packed W4A16 module otherwise stays packed and
+    has no ``weight``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    config = check_checkpoint(directory)
+    quantization = config.get("quantization_config") or {}
+    kwargs = {}
+    if quantization.get("quant_method") == "compressed-tensors":
+        kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)

