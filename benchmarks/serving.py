@@ -63,7 +63,8 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
         served = run_vllm(directory, prompts=prompts, score=windows, max_tokens=max_tokens,
                           dtype=dtype)  # fmt: skip
     except RuntimeError as error:
-        return row | {"served": False, "error": str(error).splitlines()[-1]}
+        errors = [line for line in str(error).splitlines() if "Error" in line]
+        return row | {"served": False, "error": (errors or [str(error)])[-1].strip()}
     nll = sum(s["nll"] for s in served["scores"]) / sum(s["tokens"] for s in served["scores"])
     return row | {
         "served": True,

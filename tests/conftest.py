@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,22 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear)
     }
+
+
+def legacy_sparse_checkpoint(directory: Path) -> Path:
+    """stories260K as a checkpoint in compressed-tensors' legacy ``sparse-24-bitmask``
+    layout would declare itself (what compressed-tensors < 0.15 wrote for 2:4 models)."""
+    shutil.copytree(MODEL_DIR, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "sparsity_config": {
+            "format": "sparse-24-bitmask",
+            "sparsity_structure": "2:4",
+            "targets": ["Linear"],
+            "ignore": ["lm_head"],
+        },
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

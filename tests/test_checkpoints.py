@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, RECIPES
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, RECIPES, legacy_sparse_checkpoint
 from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.cli import main
 from whisper_modifiers.quantization import chained_recipe, indivisible_layers
@@ -73,14 +73,11 @@ def test_indivisible_layers():
 
 
 def test_legacy_sparse_format_is_refused_with_a_way_out(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama",
-        "quantization_config": {"quant_method": "compressed-tensors", "sparsity_config": {
-            "format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}},
-    }))  # fmt: skip
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    legacy = legacy_sparse_checkpoint(tmp_path / "legacy")
     with pytest.raises(ValueError, match="legacy 'sparse-24-bitmask'.*compressed-tensors<0.15"):
-        check_checkpoint(tmp_path)
+        check_checkpoint(legacy)
+    with pytest.raises(ValueError, match="legacy"):
+        load_checkpoint(legacy)
 
 
 def test_incomplete_checkpoints(tmp_path):

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SHARED
+from conftest import REPO, SHARED, legacy_sparse_checkpoint
 from whisper_modifiers.checkpoint import RECORD_FILE, load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
@@ -151,14 +151,7 @@ def test_serve_small_example(tmp_path, monkeypatch, capsys):
 
 
 def test_serving_refuses_bad_checkpoints(tmp_path, capsys):
-    legacy = tmp_path / "legacy"
-    legacy.mkdir()
-    (legacy / "config.json").write_text(json.dumps({
-        "model_type": "llama",
-        "quantization_config": {"quant_method": "compressed-tensors", "sparsity_config": {
-            "format": "sparse-24-bitmask", "sparsity_structure": "2:4", "targets": ["Linear"]}},
-    }))  # fmt: skip
-    (legacy / "model.safetensors").write_bytes(b"")
+    legacy = legacy_sparse_checkpoint(tmp_path / "legacy")
     assert whisper_serve([str(legacy), "--dry-run"]) == 2
     assert "legacy 'sparse-24-bitmask'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="legacy"):

@@ -130,14 +130,19 @@ def run_vllm(
     score: list[list[int]] = (),
     max_tokens: int = 16,
     dtype: str | None = None,
-    max_model_len: int = 512,
+    max_model_len: int | None = None,
     python: str | Path | None = None,
     timeout: float = 1200,
 ) -> dict:
     """Run ``checkpoint`` in vLLM's offline engine: greedy completions of ``prompts``
     (token ids) and the negative log-likelihood of each sequence in ``score``.
-    Returns ``{"completions": [[ids]], "scores": [{"nll", "tokens"}]}``."""
+    ``max_model_len`` defaults to the longest request (a scored sequence plus the one
+    token vLLM must generate). Returns ``{"completions": [[ids]], "scores": [{"nll",
+    "tokens"}]}``; a vLLM failure raises ``RuntimeError`` with the end of its output."""
     check_checkpoint(checkpoint)
+    if max_model_len is None:
+        lengths = [len(ids) + max_tokens for ids in prompts] + [len(ids) + 1 for ids in score]
+        max_model_len = max(lengths, default=max_tokens)
     request = {
         "model": str(Path(checkpoint).resolve()),
         "dtype": dtype or serving_dtype(checkpoint),
