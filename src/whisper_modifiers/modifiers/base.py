@@ -69,7 +69,8 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
     _pair_sources: dict[torch.nn.Module, torch.nn.Module] = PrivateAttr(default_factory=dict)
-    _last_differences: tuple | None = PrivateAttr(default=None)
+    _last_input: tuple | None = PrivateAttr(default=None)
+    _last_differences: torch.Tensor | None = PrivateAttr(default=None)
     _centering: dict[torch.nn.Module, tuple[torch.Tensor, int]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
@@ -147,21 +148,31 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
 
         :return: ``[b, num_permutations * seq_len, m]`` float32.
         """
-        cached = self._last_differences
+        if self.input_source(module, x) is module:
+            self._last_differences = self._draw_differences(module, x)
+        return self._last_differences
+
+    def input_source(self, module: torch.nn.Module, x: torch.Tensor) -> torch.nn.Module:
+        """The first module that received this very input tensor in this forward pass
+        (``module`` itself unless its input is shared, as gate and up share theirs); the
+        statistics of the input are computed once, for that module. Recorded as
+        ``pair_source``."""
+        cached = self._last_input
         if cached is not None and cached[0]() is x and cached[1] == x._version:
-            source, differences = cached[2], cached[3]
+            source = cached[2]
         else:
-            source, differences = module, self._draw_differences(module, x)
-            self._last_differences = (weakref.ref(x), x._version, module, differences)
+            source = module
+            self._last_input = (weakref.ref(x), x._version, module)
         if self._pair_sources.setdefault(module, source) is not source:
             raise RuntimeError(
                 f"{self._module_names[module]} shared its input with "
                 f"{self._module_names[source]} in one batch but not in another"
             )
-        return differences
+        return source
 
     def pair_source(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The module whose pairs ``module`` uses (itself unless its input is shared)."""
+        """The module whose input statistics ``module`` uses (itself unless its input is
+        shared)."""
         return self._pair_sources[module]
 
     def check_input(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -225,12 +236,13 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         return centered
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
-        self._last_differences = None  # the layer is done: release its last batch
+        self._last_input = self._last_differences = None  # release the layer's last batch
         super().on_sequential_epoch_end(state, event, **kwargs)
 
     def _reset_routing(self):
         self._difference_modules = set()
         self._sequences_seen = dict()
         self._pair_sources = dict()
+        self._last_input = None
         self._last_differences = None
         self._centering = dict()

@@ -56,6 +56,8 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         if not self.is_difference_module(module):
             return super().calibrate_module(module, args, _output)
         if self.pairing == "centered":  # H_c = H - s x_bar x_bar^T: H is computed anyway
+            if self.input_source(module, args[0]) is not module:
+                return  # same input as its source: H and H_c are the source's
             super().calibrate_module(module, args, _output)
             return self.accumulate_centering(module, args[0], accumulate_gram)
         differences = self.sequence_differences(module, args[0])
