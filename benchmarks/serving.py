@@ -14,7 +14,6 @@ Writes ``serving.md`` and ``serving.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import tempfile
 import time
@@ -40,9 +39,9 @@ def checkpoint_bytes(directory: Path) -> int:
 def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
     import torch
 
-    from whisper_modifiers.checkpoint import load_checkpoint
+    from whisper_modifiers.checkpoint import check_checkpoint, load_checkpoint
     from whisper_modifiers.evaluation import perplexity
-    from whisper_modifiers.serving import run_vllm, serving_dtype
+    from whisper_modifiers.serving import run_vllm, scores_perplexity, serving_dtype
 
     model = load_checkpoint(directory).eval()
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -55,7 +54,8 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
             for ids in prompts
         ]
     # float32 where vLLM has kernels for it, as transformers runs; else what vLLM needs
-    dtype = "float32" if serving_dtype(directory) == "auto" else serving_dtype(directory)
+    needed = serving_dtype(check_checkpoint(directory))
+    dtype = "float32" if needed == "auto" else needed
     row = {"bytes": checkpoint_bytes(directory), "transformers_ppl": reference_ppl,
            "vllm_dtype": dtype}  # fmt: skip
     start = time.perf_counter()
@@ -65,11 +65,10 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
     except RuntimeError as error:
         errors = [line for line in str(error).splitlines() if "Error" in line]
         return row | {"served": False, "error": (errors or [str(error)])[-1].strip()}
-    nll = sum(s["nll"] for s in served["scores"]) / sum(s["tokens"] for s in served["scores"])
     return row | {
         "served": True,
         "vllm_seconds": time.perf_counter() - start,
-        "vllm_ppl": math.exp(nll),
+        "vllm_ppl": scores_perplexity(served["scores"]),
         "equal_greedy_prompts": sum(
             a == b for a, b in zip(served["completions"], reference, strict=True)
         ),  # fmt: skip

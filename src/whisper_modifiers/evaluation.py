@@ -56,7 +56,6 @@ def evaluation_text(source: str) -> str:
     return load_corpus(source, split="test")
 
 
-@torch.no_grad()
 def evaluation_windows(
     token_ids: torch.Tensor | list[int],
     seq_len: int,
@@ -79,6 +78,7 @@ def evaluation_windows(
     return windows
 
 
+@torch.no_grad()
 def perplexity(
     model,
     token_ids: torch.Tensor | list[int],

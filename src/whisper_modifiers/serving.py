@@ -39,6 +39,7 @@ __all__ = [
     "serving_dtype",
     "serving_env",
     "serving_python",
+    "scores_perplexity",
     "vllm_perplexity",
 ]
 
@@ -80,11 +81,11 @@ def serving_env() -> dict[str, str]:
     return env
 
 
-def serving_dtype(checkpoint: str | Path) -> str:
+def serving_dtype(config: dict) -> str:
     """``"bfloat16"`` for a 4-bit weight-only (pack-quantized) checkpoint saved in float32
     (vLLM's WNA16 kernels have no float32 version: on CPU, ``cpu_gemm_wna16 not
-    implemented for 'Float'``), else ``"auto"``."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    implemented for 'Float'``), else ``"auto"``; ``config`` is the checkpoint's
+    ``config.json``, as ``check_checkpoint`` returns it."""
     quantization = config.get("quantization_config") or {}
     dtype = config.get("dtype") or config.get("torch_dtype")
     if quantization.get("format") == "pack-quantized" and dtype == "float32":
@@ -103,7 +104,7 @@ def serve_command(
 ) -> list[str]:
     """The command that serves ``checkpoint`` with vLLM's OpenAI-compatible server
     (run it with ``serving_env()``)."""
-    check_checkpoint(checkpoint)
+    config = check_checkpoint(checkpoint)
     command = [
         str(serving_python(python)),
         "-m",
@@ -115,7 +116,7 @@ def serve_command(
         "--port",
         str(port),
         "--dtype",
-        dtype or serving_dtype(checkpoint),
+        dtype or serving_dtype(config),
     ]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
@@ -139,13 +140,13 @@ def run_vllm(
     ``max_model_len`` defaults to the longest request (a scored sequence plus the one
     token vLLM must generate). Returns ``{"completions": [[ids]], "scores": [{"nll",
     "tokens"}]}``; a vLLM failure raises ``RuntimeError`` with the end of its output."""
-    check_checkpoint(checkpoint)
+    config = check_checkpoint(checkpoint)
     if max_model_len is None:
         lengths = [len(ids) + max_tokens for ids in prompts] + [len(ids) + 1 for ids in score]
         max_model_len = max(lengths, default=max_tokens)
     request = {
         "model": str(Path(checkpoint).resolve()),
-        "dtype": dtype or serving_dtype(checkpoint),
+        "dtype": dtype or serving_dtype(config),
         "max_model_len": max_model_len,
         "max_tokens": max_tokens,
         "prompts": [list(map(int, ids)) for ids in prompts],
@@ -171,11 +172,16 @@ def run_vllm(
     raise RuntimeError(f"vLLM failed on {checkpoint} (exit {done.returncode}):\n{tail}")
 
 
-def vllm_perplexity(checkpoint: str | Path, windows, **kwargs) -> float:
-    """Perplexity by vLLM over ``windows`` (``evaluation.evaluation_windows``): ``exp`` of
-    the mean next-token negative log-likelihood, as ``evaluation.perplexity`` computes it."""
-    scores = run_vllm(checkpoint, score=[list(map(int, w)) for w in windows], **kwargs)["scores"]
+def scores_perplexity(scores: list[dict]) -> float:
+    """Perplexity from ``run_vllm``'s ``scores``: ``exp`` of the mean next-token negative
+    log-likelihood over every scored token, as ``evaluation.perplexity`` computes it."""
     return math.exp(sum(s["nll"] for s in scores) / sum(s["tokens"] for s in scores))
+
+
+def vllm_perplexity(checkpoint: str | Path, windows, **kwargs) -> float:
+    """Perplexity by vLLM over ``windows`` (``evaluation.evaluation_windows``)."""
+    scores = run_vllm(checkpoint, score=[list(map(int, w)) for w in windows], **kwargs)["scores"]
+    return scores_perplexity(scores)
 
 
 class Server:
