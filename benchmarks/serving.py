@@ -39,7 +39,7 @@ def checkpoint_bytes(directory: Path) -> int:
 def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
     import torch
 
-    from whisper_modifiers.checkpoint import check_checkpoint, load_checkpoint
+    from whisper_modifiers.checkpoint import load_checkpoint
     from whisper_modifiers.evaluation import perplexity
     from whisper_modifiers.serving import run_vllm, scores_perplexity, serving_dtype
 
@@ -54,7 +54,7 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
             for ids in prompts
         ]
     # float32 where vLLM has kernels for it, as transformers runs; else what vLLM needs
-    needed = serving_dtype(check_checkpoint(directory))
+    needed = serving_dtype(directory)
     dtype = "float32" if needed == "auto" else needed
     row = {"bytes": checkpoint_bytes(directory), "transformers_ppl": reference_ppl,
            "vllm_dtype": dtype}  # fmt: skip

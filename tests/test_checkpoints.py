@@ -92,6 +92,18 @@ def test_incomplete_checkpoints(tmp_path):
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
         check_checkpoint(tmp_path)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        check_checkpoint(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "whisper_prune_report.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"{RECORD_FILE} is missing"):
+        check_checkpoint(tmp_path)
+    (tmp_path / RECORD_FILE).write_text("{}")
+    check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": ')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        check_checkpoint(tmp_path)
 
 
 def test_packed_w4a16_checkpoint_is_recorded_and_reloads(tmp_path):

@@ -67,6 +67,7 @@ def test_existing_checkpoint_is_not_overwritten(tmp_path, capsys):
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "config.json").write_text("{}")
+    (out / REPORT_FILE).write_text("{}")  # written by whisper-prune
     assert main([*FAST, "--recipe", "wanda_2of4", "--output-dir", str(out)]) == 2
-    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert "already holds a whisper-prune checkpoint" in capsys.readouterr().err
     assert (out / "config.json").read_text() == "{}"

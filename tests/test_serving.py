@@ -27,6 +27,7 @@ from whisper_modifiers.serving import (
     Server,
     run_vllm,
     scores_perplexity,
+    serving_dtype,
     serving_python,
     vllm_perplexity,
 )
@@ -97,16 +98,14 @@ def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, ev
 
 
 @pytest.mark.parametrize(
-    ("recipe", "quant_format", "dtype"),
+    ("recipe", "quant_format"),
     [
-        ("whisper_2of4_w8a8", "int-quantized", "float32"),
-        ("whisper_2of4_fp8", "float-quantized", "float32"),
-        # vLLM's 4-bit weight-only kernels have no float32 version (on CPU:
-        # "cpu_gemm_wna16 not implemented for 'Float'"): served in bfloat16
-        ("whisper_2of4_w4a16", "pack-quantized", None),
+        ("whisper_2of4_w8a8", "int-quantized"),
+        ("whisper_2of4_fp8", "float-quantized"),
+        ("whisper_2of4_w4a16", "pack-quantized"),
     ],
 )
-def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_format, dtype):
+def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_format):
     ckpt = checkpoint(recipe)
     config = json.loads((ckpt / "config.json").read_text())
     assert config["quantization_config"]["format"] == quant_format
@@ -120,10 +119,30 @@ def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_for
     assert ((up == 0).reshape(up.shape[0], -1, 4).sum(-1) >= 2).all()  # 2:4 survived
     with torch.no_grad():
         reference = perplexity(model, torch.cat(eval_windows), EVAL_LEN, EVAL_WINDOWS)
-    served = vllm_perplexity(ckpt, eval_windows, dtype=dtype)
+    # the dtype vLLM's kernels accept on this CPU (serving_dtype probes them): float32
+    # where they take it, as transformers runs; else a 16-bit dtype they accept
+    dtype = serving_dtype(ckpt)
+    assert dtype in ("auto", "bfloat16", "float16")
+    served = vllm_perplexity(ckpt, eval_windows)
     # vLLM runs real int8/fp8/int4 kernels (dynamic activation scales) where transformers
     # runs dequantized float weights: close, not identical
     assert math.isfinite(served) and served == pytest.approx(reference, rel=0.05)
+
+
+def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
+    """vLLM's 4-bit weight-only CPU kernels have no float32 version (``cpu_gemm_wna16 not
+    implemented for 'Float'``): the probe must find that on every CPU and pick 16 bits;
+    an unquantized checkpoint is served as saved."""
+    from whisper_modifiers.serving import _probe_request, _run_worker
+
+    ckpt = checkpoint("whisper_2of4_w4a16")
+    request = _probe_request(ckpt, json.loads((ckpt / "config.json").read_text()),
+                             ["float32", "bfloat16"])  # fmt: skip
+    assert request["layers"] and all(len(layer) == 3 for layer in request["layers"])
+    answer = _run_worker(request, serving_python(), timeout=600)
+    assert "float32" not in answer["accepted"] and "Float" in answer["errors"]["float32"]
+    assert serving_dtype(ckpt) in ("bfloat16", "float16")
+    assert serving_dtype(checkpoint("whisper_2of4")) == "auto"
 
 
 def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
@@ -132,7 +151,10 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
     assert whisper_serve(argv) == 0
     printed = capsys.readouterr().out
     assert "vllm.entrypoints.openai.api_server --model" in printed
-    assert printed.rstrip().endswith("--port 8123 --dtype auto --enforce-eager --max-num-seqs 2")
+    dtype = serving_dtype(ckpt)  # auto, or bfloat16 where vLLM's int8 kernel needs it
+    assert printed.rstrip().endswith(
+        f"--port 8123 --dtype {dtype} --enforce-eager --max-num-seqs 2"
+    )
 
     with Server(ckpt, max_model_len=256, log=tmp_path / "server.log") as server:
         assert server.get("/v1/models")["data"][0]["id"] == str(ckpt.resolve())

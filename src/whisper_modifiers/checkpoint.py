@@ -19,15 +19,26 @@ import torch
 
 __all__ = [
     "RECORD_FILE",
+    "REPORT_FILE",
+    "TOKENIZER_FILES",
     "check_checkpoint",
+    "is_unfinished_output",
     "layer_sparsity",
     "load_checkpoint",
+    "read_config",
     "overall_sparsity",
     "sparsity_record",
     "write_record",
 ]
 
 RECORD_FILE = "sparsity_record.json"
+REPORT_FILE = "whisper_prune_report.json"  # marks a checkpoint whisper-prune wrote
+# while whisper-prune writes NAME, it writes .NAME.partial-XXXX holding a locked LOCK_FILE
+PARTIAL_MARK = ".partial-"
+LOCK_FILE = ".whisper-prune.lock"
+# a checkpoint vLLM serves needs its tokenizer: one of these (fast, SentencePiece, BPE,
+# WordPiece vocabularies) beside the weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 LEGACY_SPARSE_FORMATS = ("sparse-24-bitmask", "sparse-bitmask", "marlin-24")
 
 
@@ -87,19 +98,42 @@ def write_record(directory: str | Path, record: dict) -> Path:
     return path
 
 
-def check_checkpoint(directory: str | Path) -> dict:
+def read_config(directory: str | Path) -> dict:
+    """``directory/config.json`` as a dict; a missing or unparsable file is an error that
+    names it."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a checkpoint: config.json is missing")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict:
     """Raise a clear error if ``directory`` is not a complete, loadable checkpoint in a
     layout current transformers/vLLM read; returns its ``config.json``.
+
+    Complete means: ``config.json`` parses, every weight file is present, a tokenizer is
+    saved beside them (``TOKENIZER_FILES``), and a checkpoint that ``whisper-prune``
+    wrote (``REPORT_FILE``) has its ``sparsity_record.json``.  An unfinished
+    ``whisper-prune`` output (a ``.NAME.partial-*`` directory left by a killed run) is
+    refused unless ``unfinished_ok`` (whisper-prune's own check before renaming it).
 
     A legacy sparse compressed-tensors format (``sparse-24-bitmask``, written by
     compressed-tensors < 0.15) is refused with the way to convert it: current
     compressed-tensors has no decompressor for it, and vLLM no kernel.
     """
     directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{directory} is not a checkpoint: config.json is missing")
-    config = json.loads(config_path.read_text())
+    if not unfinished_ok and is_unfinished_output(directory):
+        raise ValueError(
+            f"{directory} is an unfinished whisper-prune output (the run writing it was "
+            "stopped, or is still running); it is not a checkpoint"
+        )
+    config = read_config(directory)
     sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
     if sparsity.get("format") in LEGACY_SPARSE_FORMATS:
         raise ValueError(
@@ -123,7 +157,26 @@ def check_checkpoint(directory: str | Path) -> dict:
         raise FileNotFoundError(
             f"{directory} is incomplete: no model.safetensors (nor a sharded index)"
         )
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{directory} is incomplete: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "save it beside the weights (tokenizer.save_pretrained)"
+        )
+    if (directory / REPORT_FILE).is_file() and not (directory / RECORD_FILE).is_file():
+        raise FileNotFoundError(
+            f"{directory} is incomplete: whisper-prune wrote it ({REPORT_FILE}) but its "
+            f"{RECORD_FILE} is missing"
+        )
     return config
+
+
+def is_unfinished_output(directory: str | Path) -> bool:
+    """Whether ``directory`` is an unfinished ``whisper-prune`` output: a hidden
+    ``.NAME.partial-*`` directory, or one that still holds the writer's lock file."""
+    directory = Path(directory)
+    return (directory.name.startswith(".") and PARTIAL_MARK in directory.name) or (
+        directory / LOCK_FILE
+    ).exists()
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):

@@ -1,5 +1,15 @@
 """``whisper-prune``: prune a model with a recipe, report perplexity and time, save it.
 
+Before any weights load, every input is checked and a bad one is refused with the flag's
+name and exit code 2 (``preflight``): numbers, the recipe, the model's config and
+positions, the calibration and evaluation texts (tokenized), recipe patterns against the
+model's module names, and the output directory (``output_dir``: only a checkpoint that
+whisper-prune wrote is ever replaced, with ``--overwrite``; never ``.``, ``~``, ``/`` or a
+directory holding this run's inputs).  Weights holding NaN or inf are refused before
+pruning; NaN activations or a NaN pruned perplexity end the run with exit code 1 and
+nothing saved.  The checkpoint is written beside the target and renamed into place;
+Ctrl-C or SIGTERM leaves nothing behind.
+
     whisper-prune                                    # Whisper 2:4 on the embedded default
     whisper-prune --model meta-llama/Llama-2-7b-hf --recipe wisp_plus_50 \\
         --calibration wikitext2 --eval-text wikitext2 --num-sequences 128 --seq-len 4096
@@ -9,20 +19,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from whisper_modifiers.checkpoint import REPORT_FILE
+from whisper_modifiers.output_dir import terminate_as_exception
+from whisper_modifiers.preflight import (
+    UsageError,
+    check_minimum,
+    check_positions,
+    meta_model,
+    model_config,
+    read_text,
+)
+
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEFAULT_RECIPE = "whisper_2of4"
-REPORT_FILE = "whisper_prune_report.json"
+__all__ = ["REPORT_FILE", "PruningFailed", "UsageError", "main", "parse_args", "run"]
 
 
-class UsageError(Exception):
-    """Bad command-line input, reported before any work is done."""
+class PruningFailed(Exception):
+    """The run was valid but its result is not (NaN activations, NaN perplexity):
+    nothing is saved (exit code 1)."""
 
 
 def available_recipes() -> list[str]:
@@ -36,39 +57,70 @@ def resolve_recipe(recipe: str) -> Path:
         path = RECIPES_DIR / f"{recipe}.yaml"
     if not path.is_file():
         raise UsageError(
-            f"recipe {recipe!r} is neither a file nor one of: {', '.join(available_recipes())}"
+            f"--recipe {recipe!r} is neither a file nor one of: {', '.join(available_recipes())}"
         )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--recipe {path} cannot be read: {error}") from error
+    if not text.strip():
+        raise UsageError(f"--recipe {path} is empty: it must define at least one modifier")
     from llmcompressor.recipe import Recipe
 
     import whisper_modifiers  # noqa: F401  (registers our modifiers by name)
 
     try:
-        Recipe.create_instance(str(path))
+        modifiers = Recipe.create_instance(str(path)).modifiers
     except Exception as error:  # a YAML or modifier error, shown as the user's problem
-        raise UsageError(f"recipe {path} cannot be used: {error}") from error
+        raise UsageError(f"--recipe {path} cannot be used: {error}") from error
+    if not modifiers:
+        raise UsageError(
+            f"--recipe {path} defines no modifier (stages are keys ending in '_stage', "
+            "holding groups ending in '_modifiers'; see recipes/whisper_2of4.yaml)"
+        )
     return path
 
 
 def load_recipe(path: Path, model) -> list:
     """The recipe's modifiers; a group-wise quantization scheme (W4A16) leaves the layers
-    it cannot quantize in 16-bit, with a warning, rather than failing mid-run."""
+    it cannot quantize in 16-bit, with a warning, rather than failing mid-run. ``model``
+    may be a meta-device model (only module names and shapes are read)."""
+    from compressed_tensors.utils import match_named_modules
+    from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.recipe import Recipe
+    from loguru import logger
 
     from whisper_modifiers.quantization import keep_indivisible_unquantized
 
-    return [
-        keep_indivisible_unquantized(modifier, model)
-        if isinstance(modifier, QuantizationModifier)
-        else modifier
-        for modifier in Recipe.create_instance(str(path)).modifiers
-    ]
+    modifiers = []
+    for modifier in Recipe.create_instance(str(path)).modifiers:
+        if isinstance(modifier, (QuantizationModifier, GPTQModifier)):
+            modifier = keep_indivisible_unquantized(modifier, model)
+        if isinstance(modifier, GPTQModifier) and not list(
+            match_named_modules(model, ["Linear"], modifier.ignore)
+        ):  # GPTQ refuses to run with nothing to quantize
+            logger.warning(f"{type(modifier).__name__} has no layer left to quantize: skipped")
+            continue
+        modifiers.append(modifier)
+    return modifiers
 
 
-def holds_checkpoint(directory: Path) -> bool:
-    return directory.is_dir() and any(
-        (directory / name).exists() for name in ("config.json", "model.safetensors")
-    )
+def check_recipe_targets(path: Path, modifiers: list, model) -> None:
+    """Resolve every ``difference_targets`` of the recipe against ``model``'s modules,
+    and refuse a stock GPTQ after pruning (``check_mask_kept``)."""
+    from whisper_modifiers.modifiers import check_mask_kept
+
+    try:
+        check_mask_kept(modifiers)
+    except ValueError as error:
+        raise UsageError(f"--recipe {path}: {error}") from error
+    for modifier in modifiers:
+        if hasattr(modifier, "check_difference_targets"):
+            try:
+                modifier.check_difference_targets(model)
+            except ValueError as error:
+                raise UsageError(f"--recipe {path}: {type(modifier).__name__}: {error}") from error
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -121,47 +173,96 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from whisper_modifiers.models import resolve_model
+# flag -> (minimum, what it is)
+MINIMUMS = {
+    "num_sequences": (1, "calibration sequences"),
+    "seq_len": (2, "pairs are formed within a sequence"),
+    "eval_seq_len": (2, "a window predicts its tokens after the first"),
+    "eval_windows": (0, "0 evaluates every window"),
+    "seed": (0, "a torch generator seed"),
+}
 
+
+def run(args: argparse.Namespace) -> dict:
+    """Check everything that can be checked before loading weights, then load, prune,
+    evaluate and save (see the module docstring)."""
+    started = time.time()
+    for name, (minimum, meaning) in MINIMUMS.items():
+        check_minimum(f"--{name.replace('_', '-')}", getattr(args, name), minimum, meaning)
     recipe = resolve_recipe(args.recipe)
+
+    from whisper_modifiers.models import resolve_model
+    from whisper_modifiers.output_dir import (
+        OutputDirError,
+        check_output_dir,
+        remove_stale_partials,
+    )
+
     try:
         model_id = resolve_model(args.model)
     except FileNotFoundError as error:
-        raise UsageError(str(error)) from error
+        raise UsageError(f"--model: {error}") from error
     output_dir = args.output_dir or Path("outputs") / (
         f"{Path(model_id.rstrip('/')).name}-{recipe.stem}"
     )
-    if holds_checkpoint(output_dir) and not args.overwrite:
-        raise UsageError(
-            f"{output_dir} already holds a checkpoint; choose another --output-dir or "
-            "pass --overwrite"
-        )
-    for name in ("num_sequences", "seq_len", "eval_seq_len"):
-        if getattr(args, name) < (2 if "seq" in name else 1):
-            raise UsageError(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    inputs = [p for p in (model_id, args.calibration, args.eval_text) if Path(p).exists()]
+    try:
+        output_dir = check_output_dir(output_dir, inputs, args.overwrite)
+    except OutputDirError as error:
+        raise UsageError(str(error)) from error
+    config = model_config(model_id)
+    check_positions(config, **{"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
 
     from loguru import logger
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from whisper_modifiers.checkpoint import check_checkpoint, sparsity_record, write_record
     from whisper_modifiers.data import calibration_dataset, load_corpus
-    from whisper_modifiers.evaluation import evaluation_text, perplexity
+    from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
     from whisper_modifiers.methods import run_oneshot
+    from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
+    from whisper_modifiers.output_dir import partial_output
+
+    calibration_text = read_text(
+        "--calibration", args.calibration, lambda s: load_corpus(s, split="train")
+    )
+    eval_text = read_text("--eval-text", args.eval_text, evaluation_text)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError, TypeError) as error:
+        raise UsageError(f"--model {model_id}: its tokenizer cannot be loaded: {error}") from error
+    calibration_tokens = len(tokenizer(calibration_text, add_special_tokens=False)["input_ids"])
+    if calibration_tokens < args.seq_len + 1:
+        raise UsageError(
+            f"--calibration {args.calibration!r} has {calibration_tokens} tokens; --seq-len "
+            f"{args.seq_len} needs at least {args.seq_len + 1}"
+        )
+    eval_ids = tokenizer(eval_text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id if args.eval_bos else None
+    windows = args.eval_windows or None
+    try:
+        evaluation_windows(eval_ids, args.eval_seq_len, windows, bos)
+    except ValueError as error:
+        raise UsageError(
+            f"--eval-text {args.eval_text!r} is too short for one --eval-seq-len "
+            f"{args.eval_seq_len} window: {error}; it needs at least "
+            f"{args.eval_seq_len - (bos is not None)} tokens"
+        ) from error
+    skeleton = meta_model(config)
+    modifiers = load_recipe(recipe, skeleton)
+    check_recipe_targets(recipe, modifiers, skeleton)
+    for stale in remove_stale_partials(output_dir, started):
+        logger.info(f"removed {stale}, left by an interrupted whisper-prune")
 
     logger.info(f"model {model_id}, recipe {recipe}")
-    tokenizer = AutoTokenizer.from_pretrained(model_id)
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto")
+    try:
+        check_finite_weights(model)
+    except NonFiniteError as error:
+        raise UsageError(f"--model {model_id}: {error}") from error
     calibration = calibration_dataset(
-        tokenizer,
-        load_corpus(args.calibration, split="train"),
-        args.num_sequences,
-        args.seq_len,
-        seed=args.seed,
+        tokenizer, calibration_text, args.num_sequences, args.seq_len, seed=args.seed
     )
-    eval_ids = tokenizer(evaluation_text(args.eval_text), add_special_tokens=False)["input_ids"]
-    windows = args.eval_windows or None
-    bos = tokenizer.bos_token_id if args.eval_bos else None
 
     def evaluate() -> float:
         model.eval()
@@ -187,11 +288,18 @@ def run(args: argparse.Namespace) -> dict:
         report["dense_perplexity"] = evaluate()
         logger.info(f"dense perplexity {report['dense_perplexity']:.3f}")
 
-    modifiers = load_recipe(recipe, model)
     start = time.perf_counter()
-    run_oneshot(model, tokenizer, calibration, modifiers)
+    try:
+        run_oneshot(model, tokenizer, calibration, modifiers)
+    except NonFiniteError as error:
+        raise PruningFailed(f"pruning stopped: {error}") from error
     report["pruning_seconds"] = time.perf_counter() - start
     report["pruned_perplexity"] = evaluate()
+    if not math.isfinite(report["pruned_perplexity"]):
+        raise PruningFailed(
+            f"the pruned model's perplexity is {report['pruned_perplexity']}: it is broken "
+            f"(NaN or inf logits), so it is not saved to {output_dir}"
+        )
     record = sparsity_record(
         model,
         modifiers=[type(modifier).__name__ for modifier in modifiers],
@@ -200,20 +308,16 @@ def run(args: argparse.Namespace) -> dict:
     )
     report["sparsity"] = record["summary"]["sparsity"]
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
-    try:  # write next to the target, then rename: never a half-written checkpoint
+    try:  # the directory may have changed during pruning
+        check_output_dir(output_dir, inputs, args.overwrite)
+    except OutputDirError as error:
+        raise UsageError(f"{error} (it changed while this run was pruning)") from error
+    with partial_output(output_dir) as partial:  # never a half-written checkpoint
         model.save_pretrained(partial, save_compressed=True)
         tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(json.dumps(report, indent=2))
         write_record(partial, record)
-        check_checkpoint(partial)
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        os.replace(partial, output_dir)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        check_checkpoint(partial, unfinished_ok=True)
     report["output_dir"] = str(output_dir)
     return report
 
@@ -222,10 +326,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parse_args(argv)
     try:
-        report = run(args)
+        with terminate_as_exception():  # SIGTERM cleans up like Ctrl-C
+            report = run(args)
     except UsageError as error:
         print(f"whisper-prune: error: {error}", file=sys.stderr)
         return 2
+    except PruningFailed as error:
+        print(f"whisper-prune: error: {error}", file=sys.stderr)
+        return 1
     dense = report.get("dense_perplexity")
     print()
     print("| model | recipe | dense ppl | pruned ppl | sparsity | pruning time |")

@@ -12,6 +12,16 @@ import os
 import sys
 from pathlib import Path
 
+from whisper_modifiers.preflight import (
+    UsageError,
+    check_minimum,
+    linear_names,
+    meta_model,
+    model_config,
+    read_text,
+    summarize_names,
+)
+
 DEFAULT_SPARSITIES = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
 DEFAULT_GAMMAS = [0.0, 0.001, 0.01, 0.1, 0.3, 1.0]
 
@@ -29,7 +39,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sparsities", type=float, nargs="+", default=DEFAULT_SPARSITIES)
     parser.add_argument("--gammas", type=float, nargs="+", default=DEFAULT_GAMMAS)
     parser.add_argument("--out", type=Path, default=Path("diagnostics"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except UsageError as error:
+        parser.error(str(error))  # "whisper-diagnose: error: ...", exit code 2
+    return args
+
+
+def check_args(args) -> None:
+    """The numeric flags (before any work)."""
+    check_minimum("--num-sequences", args.num_sequences, 1)
+    check_minimum("--seq-len", args.seq_len, 2, "pairs are formed within a sequence")
+    check_minimum("--seed", args.seed, 0)
+    for value in args.sparsities:
+        if not 0 <= value < 1:
+            raise UsageError(f"--sparsities must lie in [0, 1); got {value}")
+    for value in args.gammas:
+        if not 0 <= value <= 1:
+            raise UsageError(f"--gammas must lie in [0, 1]; got {value}")
+
+
+def resolve_module(config, name: str | None) -> str:
+    """``name`` (default: the middle layer's gate_proj), checked to be a Linear of the
+    model (on a meta-device model: no weights loaded)."""
+    skeleton = meta_model(config)
+    if name is None:
+        name = f"model.layers.{config.num_hidden_layers // 2}.mlp.gate_proj"
+    valid = linear_names(skeleton)
+    if name not in valid:
+        found = dict(skeleton.named_modules()).get(name)
+        what = "no module" if found is None else f"a {type(found).__name__}, not a Linear"
+        raise UsageError(
+            f"--module {name!r} is {what}; the Linear modules are: {summarize_names(valid)}"
+        )
+    return name
 
 
 def run(args) -> dict:
@@ -41,18 +85,21 @@ def run(args) -> dict:
     from whisper_modifiers.models import resolve_model
     from whisper_modifiers.statistics import mapping_difficulty
 
-    model_id = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_id)
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32).eval()
-    name = args.module
-    if name is None:
-        layers = model.config.num_hidden_layers
-        name = f"model.layers.{layers // 2}.mlp.gate_proj"
     try:
-        module = model.get_submodule(name)
-    except AttributeError as error:
-        raise SystemExit(f"whisper-diagnose: error: no module {name!r} in {model_id}") from error
-    ids = tokenizer(load_corpus(args.calibration, "train"), add_special_tokens=False)["input_ids"]
+        model_id = resolve_model(args.model)
+    except FileNotFoundError as error:
+        raise UsageError(f"--model: {error}") from error
+    name = resolve_module(model_config(model_id), args.module)
+    text = read_text("--calibration", args.calibration, lambda s: load_corpus(s, "train"))
+    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < args.seq_len + 1:
+        raise UsageError(
+            f"--calibration {args.calibration!r} has {len(ids)} tokens; --seq-len "
+            f"{args.seq_len} needs at least {args.seq_len + 1}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32).eval()
+    module = model.get_submodule(name)
     sequences = sample_sequences(ids, args.num_sequences, args.seq_len, args.seed)
     inputs = d.capture_inputs(model, name, sequences)
     pairs = d.sequence_pairs(inputs, args.seed, name)
@@ -147,7 +194,11 @@ def _plot(out, scores, neurons, preserved, sparsities, sweep, name):
 
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    report = run(parse_args(argv))
+    try:
+        report = run(parse_args(argv))
+    except UsageError as error:
+        print(f"whisper-diagnose: error: {error}", file=sys.stderr)
+        return 2
     print(f"{report['module']}: Wasserstein neurons {report['wasserstein_neurons']}")
     print(f"correlation(mapping difficulty, Wasserstein distance) = "
           f"{report['correlation_difficulty_wasserstein']:.3f}")  # fmt: skip

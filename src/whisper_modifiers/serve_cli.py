@@ -38,6 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dry-run", action="store_true", help="print the command instead of running it"
     )
     args = parser.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port must lie in 1..65535; got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        parser.error(f"--max-model-len must be at least 1; got {args.max_model_len}")
     args.extra = extra
     return args
 
@@ -59,6 +63,9 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"whisper-serve: error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # the serving environment's kernel probe failed
+        print(f"whisper-serve: error: {error}", file=sys.stderr)
+        return 1
     print("+ " + shlex.join(command), flush=True)
     if args.dry_run:
         return 0

@@ -19,6 +19,7 @@ missing file is a clear error here, not a traceback from the server.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -30,10 +31,12 @@ import urllib.request
 from pathlib import Path
 
 from whisper_modifiers.checkpoint import check_checkpoint
+from whisper_modifiers.models import cache_dir
 
 __all__ = [
     "SERVING_PYTHON_ENV",
     "Server",
+    "quantized_layers",
     "run_vllm",
     "serve_command",
     "serving_dtype",
@@ -81,16 +84,94 @@ def serving_env() -> dict[str, str]:
     return env
 
 
-def serving_dtype(config: dict) -> str:
-    """``"bfloat16"`` for a 4-bit weight-only (pack-quantized) checkpoint saved in float32
-    (vLLM's WNA16 kernels have no float32 version: on CPU, ``cpu_gemm_wna16 not
-    implemented for 'Float'``), else ``"auto"``; ``config`` is the checkpoint's
-    ``config.json``, as ``check_checkpoint`` returns it."""
+def quantized_layers(checkpoint: str | Path) -> list[tuple[str, int, int]]:
+    """``(name, out_features, in_features)`` of every quantized Linear of a
+    compressed-tensors checkpoint, read from the safetensors headers (and the small
+    ``weight_shape`` tensors of packed layers), without loading the weights."""
+    from safetensors import safe_open
+
+    directory = Path(checkpoint)
+    layers = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as tensors:
+            names = set(tensors.keys())
+            for name in names:
+                if not name.endswith(".weight_scale"):
+                    continue
+                base = name[: -len(".weight_scale")]
+                if f"{base}.weight_shape" in names:  # packed: the real shape is stored
+                    out_features, in_features = tensors.get_tensor(f"{base}.weight_shape").tolist()
+                elif f"{base}.weight" in names:
+                    out_features, in_features = tensors.get_slice(f"{base}.weight").get_shape()
+                else:
+                    continue
+                layers[base] = (int(out_features), int(in_features))
+    return [(name, *shape) for name, shape in sorted(layers.items())]
+
+
+def _probe_request(checkpoint: Path, config: dict, candidates: list[str]) -> dict:
+    shapes = {}  # one layer per distinct shape: the kernels dispatch on the shape
+    for name, out_features, in_features in quantized_layers(checkpoint):
+        shapes.setdefault((out_features, in_features), name)
+    return {
+        "model": str(checkpoint.resolve()),
+        "quantization_config": config["quantization_config"],
+        "layers": [[name, *shape] for shape, name in sorted(shapes.items())],
+        "probe_dtypes": candidates,
+    }
+
+
+def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> str:
+    """The ``--dtype`` vLLM serves ``checkpoint`` with: ``"auto"`` (the checkpoint's
+    dtype) unless it is quantized and served on a CPU, where the installed vLLM's
+    kernels are asked (``vllm_worker.probe_dtypes``: one forward of each quantized layer
+    shape through the scheme vLLM picks) which of the checkpoint's dtype, bfloat16 and
+    float16 they accept on this CPU, and the first accepted is used. The answer depends
+    on the CPU (vLLM's int8 kernel needs 16-bit activations where AMX exists; its 4-bit
+    weight-only kernels have no float32 version anywhere), so it is measured, once per
+    serving environment, CPU and scheme, and cached."""
+    config = check_checkpoint(checkpoint)
     quantization = config.get("quantization_config") or {}
-    dtype = config.get("dtype") or config.get("torch_dtype")
-    if quantization.get("format") == "pack-quantized" and dtype == "float32":
-        return "bfloat16"
-    return "auto"
+    if not on_cpu() or not quantization.get("config_groups"):
+        return "auto"
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    candidates = list(dict.fromkeys([dtype, "bfloat16", "float16"]))
+    request = _probe_request(Path(checkpoint), config, candidates)
+    if not request["layers"]:
+        return "auto"
+    python = serving_python(python)
+    key = hashlib.sha256(
+        json.dumps(
+            [str(python.resolve()), python.stat().st_mtime, _cpu_flags(), request], sort_keys=True
+        ).encode()  # fmt: skip
+    ).hexdigest()
+    cache = cache_dir() / "serving_dtypes.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if key not in known:
+        answer = _run_worker(request, python, timeout=600)
+        if not answer["accepted"]:
+            raise RuntimeError(
+                f"vLLM's kernels on this CPU accept none of {', '.join(candidates)} for "
+                f"{checkpoint}: {answer['errors']}"
+            )
+        known[key] = answer["accepted"][0]
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(known, indent=1))
+        os.replace(partial, cache)
+    return "auto" if known[key] == dtype else known[key]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
 
 
 def serve_command(
@@ -104,7 +185,7 @@ def serve_command(
 ) -> list[str]:
     """The command that serves ``checkpoint`` with vLLM's OpenAI-compatible server
     (run it with ``serving_env()``)."""
-    config = check_checkpoint(checkpoint)
+    check_checkpoint(checkpoint)
     command = [
         str(serving_python(python)),
         "-m",
@@ -116,7 +197,7 @@ def serve_command(
         "--port",
         str(port),
         "--dtype",
-        dtype or serving_dtype(config),
+        dtype or serving_dtype(checkpoint, python),
     ]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
@@ -140,25 +221,31 @@ def run_vllm(
     ``max_model_len`` defaults to the longest request (a scored sequence plus the one
     token vLLM must generate). Returns ``{"completions": [[ids]], "scores": [{"nll",
     "tokens"}]}``; a vLLM failure raises ``RuntimeError`` with the end of its output."""
-    config = check_checkpoint(checkpoint)
+    check_checkpoint(checkpoint)
     if max_model_len is None:
         lengths = [len(ids) + max_tokens for ids in prompts] + [len(ids) + 1 for ids in score]
         max_model_len = max(lengths, default=max_tokens)
     request = {
         "model": str(Path(checkpoint).resolve()),
-        "dtype": dtype or serving_dtype(config),
+        "dtype": dtype or serving_dtype(checkpoint, python),
         "max_model_len": max_model_len,
         "max_tokens": max_tokens,
         "prompts": [list(map(int, ids)) for ids in prompts],
         "score": [list(map(int, ids)) for ids in score],
     }
+    return _run_worker(request, serving_python(python), timeout, f"vLLM failed on {checkpoint}")
+
+
+def _run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM failed") -> dict:
+    """Run ``vllm_worker.py`` on ``request`` with the serving environment's ``python``;
+    its JSON answer, or ``RuntimeError`` with the end of its output."""
     with tempfile.TemporaryDirectory() as tmp:
         request_path = Path(tmp) / "request.json"
         request_path.write_text(json.dumps(request))
         done = subprocess.run(
             # the source, not the path: run as a file, the worker would have this package's
             # directory first on sys.path, and our statistics.py would shadow the stdlib's
-            [str(serving_python(python)), "-c", WORKER.read_text(), str(request_path)],
+            [str(python), "-c", WORKER.read_text(), str(request_path)],
             env=serving_env(),
             cwd=tmp,
             capture_output=True,
@@ -169,7 +256,7 @@ def run_vllm(
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])
     tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-    raise RuntimeError(f"vLLM failed on {checkpoint} (exit {done.returncode}):\n{tail}")
+    raise RuntimeError(f"{failure} (exit {done.returncode}):\n{tail}")
 
 
 def scores_perplexity(scores: list[dict]) -> float:

@@ -27,7 +27,10 @@ from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
-from whisper_modifiers.modifiers.validation import SparsityValidation
+from whisper_modifiers.modifiers.validation import (
+    SparsityValidation,
+    check_finite_activations,
+)
 from whisper_modifiers.statistics import (
     accumulate_gram,
     nearest_neighbour_differences,
@@ -61,7 +64,7 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     """
 
     difference_targets: list[str] = Field(default_factory=lambda: list(DEFAULT_DIFFERENCE_TARGETS))
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
     num_permutations: int = Field(default=1, ge=1)
     pairing: Literal["random", "nearest", "centered"] = "random"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
@@ -82,12 +85,21 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
             )
         return self
 
+    def on_initialize(self, state: State, **kwargs) -> bool:
+        from llmcompressor.core import active_session
+
+        from whisper_modifiers.modifiers.masked_gptq import check_mask_kept
+
+        check_mask_kept(active_session().lifecycle.recipe.modifiers)
+        return super().on_initialize(state, **kwargs)
+
     # -- routing ---------------------------------------------------------------------
 
-    def on_calibration_start(self, state: State, event: Event, **kwargs):
-        """Register the calibration hooks (llmcompressor's loop, with clean names)."""
+    def pruned_modules(self, target_layers: dict[str, torch.nn.Module]) -> list[tuple]:
+        """``(name, module, sparsity)`` of every module this modifier prunes inside
+        ``target_layers`` (llmcompressor's selection, with clean names)."""
         modules = []
-        for index, (layer_name, layer) in enumerate(self._target_layers.items()):
+        for index, (layer_name, layer) in enumerate(target_layers.items()):
             sparsity = self.sparsity[index] if isinstance(self.sparsity, list) else self.sparsity
             for name, module in match_named_modules(layer, PRUNABLE_LAYER_TYPES):
                 name = f"{layer_name}.{name}" if name else layer_name
@@ -96,7 +108,19 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 ):
                     continue
                 modules.append((name, module, sparsity))
+        return modules
 
+    def check_difference_targets(self, model: torch.nn.Module) -> list[str]:
+        """Resolve ``difference_targets`` against ``model`` (a meta-device model will do:
+        only names and types are read) before any calibration; raises the same errors as
+        calibration would. Returns the names of the difference modules."""
+        modules = self.pruned_modules(dict(match_named_modules(model, self.targets)))
+        selected = self._select_difference_modules(modules)
+        return [name for name, module, _ in modules if module in selected]
+
+    def on_calibration_start(self, state: State, event: Event, **kwargs):
+        """Register the calibration hooks (llmcompressor's loop, with clean names)."""
+        modules = self.pruned_modules(self._target_layers)
         self._difference_modules = self._select_difference_modules(modules)
         for name, module, sparsity in modules:
             if name.endswith("lm_head"):
@@ -106,11 +130,17 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 )
             self._module_names[module] = name
             self._module_sparsities[module] = sparsity
-            self.register_hook(module, self.calibrate_module, "forward")
+            self.register_hook(module, self._calibrate_finite, "forward")
         logger.info(
             f"{type(self).__name__}: difference statistic on "
             f"{len(self._difference_modules)} of {len(modules)} modules"
         )
+
+    def _calibrate_finite(self, module, args, output):
+        """``calibrate_module``, after refusing NaN or inf inputs (every module, routed
+        to the difference statistic or to the standard method)."""
+        check_finite_activations(self._module_names[module], args[0])
+        return self.calibrate_module(module, args, output)
 
     def _select_difference_modules(self, modules) -> set[torch.nn.Module]:
         selected = set()
@@ -176,7 +206,8 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         return self._pair_sources[module]
 
     def check_input(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A hook's input as ``[b, seq_len, m]``, after the checks every pairing needs."""
+        """A hook's input as ``[b, seq_len, m]``, after the checks every pairing needs
+        (finiteness is checked for every module by the hook, ``_calibrate_finite``)."""
         name = self._module_names[module]
         if x.dim() == 2:
             x = x.unsqueeze(0)
@@ -185,11 +216,6 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 f"{name} received a calibration sequence of {x.shape[1]} token(s); "
                 f"{type(self).__name__} forms pairs within each sequence and needs at "
                 "least 2 tokens per sequence (raise max_seq_length or drop short samples)"
-            )
-        if not torch.isfinite(x).all():
-            raise ValueError(
-                f"{name} received NaN or inf activations; the calibration statistics "
-                "would be meaningless (check the model dtype and calibration data)"
             )
         return x
 

@@ -13,7 +13,11 @@ from llmcompressor.modifiers.modifier import Modifier
 from loguru import logger
 from pydantic import Field
 
-from whisper_modifiers.modifiers.validation import SparsityValidation, parse_mask_structure
+from whisper_modifiers.modifiers.validation import (
+    NonFiniteError,
+    SparsityValidation,
+    parse_mask_structure,
+)
 from whisper_modifiers.solvers import prune_by_score
 
 __all__ = ["OneShotMagnitudeModifier"]
@@ -43,17 +47,30 @@ class OneShotMagnitudeModifier(SparsityValidation, Modifier):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
 
     def on_initialize(self, state: State, **kwargs) -> bool:
+        from llmcompressor.core import active_session
+
+        from whisper_modifiers.modifiers.masked_gptq import check_mask_kept
+
+        check_mask_kept(active_session().lifecycle.recipe.modifiers)
         n, m = parse_mask_structure(self.mask_structure)
-        pruned = 0
-        for _name, module in match_named_modules(state.model, self.targets, self.ignore):
-            if not isinstance(module, torch.nn.Linear):
-                continue
+        modules = [
+            (name, module)
+            for name, module in match_named_modules(state.model, self.targets, self.ignore)
+            if isinstance(module, torch.nn.Linear)
+        ]
+        for name, module in modules:  # all checked before any is pruned
+            with align_module_device(module):
+                if not torch.isfinite(module.weight).all():
+                    raise NonFiniteError(
+                        f"{name}.weight holds NaN or inf; magnitude pruning would rank them "
+                        "arbitrarily. Check the checkpoint and its dtype"
+                    )
+        for _name, module in modules:
             with torch.no_grad(), align_module_device(module):
                 weight = module.weight
                 scores = weight.abs().float()
                 update_offload_parameter(
                     module, "weight", prune_by_score(weight, scores, self.sparsity, n, m)
                 )
-            pruned += 1
-        logger.info(f"OneShotMagnitudeModifier pruned {pruned} Linear modules")
+        logger.info(f"OneShotMagnitudeModifier pruned {len(modules)} Linear modules")
         return True

@@ -4,16 +4,45 @@ from __future__ import annotations
 
 import re
 
+import torch
 from pydantic import BaseModel, field_validator, model_validator
 
 __all__ = [
+    "NonFiniteError",
     "SparsityValidation",
+    "check_finite_activations",
+    "check_finite_weights",
     "check_sparsity",
     "check_sparsity_matches_structure",
     "parse_mask_structure",
 ]
 
 _MASK_STRUCTURE = re.compile(r"^(\d+):(\d+)$")
+
+
+class NonFiniteError(ValueError):
+    """NaN or inf in a weight or a calibration activation: pruning would be meaningless."""
+
+
+def check_finite_weights(model: torch.nn.Module) -> None:
+    """Raise ``NonFiniteError`` naming the first parameter that holds NaN or inf."""
+    for name, parameter in model.named_parameters():
+        if parameter.device.type != "meta" and not torch.isfinite(parameter).all():
+            count = int((~torch.isfinite(parameter)).sum())
+            raise NonFiniteError(
+                f"{name} holds {count} NaN or inf value(s); the model cannot be pruned "
+                "(scores and Hessians would be NaN). Check the checkpoint and its dtype"
+            )
+
+
+def check_finite_activations(name: str, x: torch.Tensor) -> None:
+    """Raise ``NonFiniteError`` if the calibration input ``x`` of module ``name`` holds
+    NaN or inf."""
+    if not torch.isfinite(x).all():
+        raise NonFiniteError(
+            f"{name} received NaN or inf activations; the calibration statistics would be "
+            "meaningless (check the model dtype and calibration data)"
+        )
 
 
 def check_sparsity(value):

@@ -1,0 +1,122 @@
+"""Checks the command-line tools run before loading any weights.
+
+Everything a user can get wrong on the command line is found here, in seconds, and
+reported as ``UsageError`` naming the flag: numbers below their minimum, texts that are
+missing, binary, empty or too short (measured with the tokenizer, which loads before the
+weights), a model whose ``config.json`` does not parse, sequence lengths past the model's
+positions, and recipe patterns that match no module (resolved on a meta-device model
+built from the config: names and types, no weights).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from whisper_modifiers.checkpoint import read_config
+
+__all__ = [
+    "UsageError",
+    "check_minimum",
+    "check_positions",
+    "linear_names",
+    "meta_model",
+    "model_config",
+    "read_text",
+    "summarize_names",
+]
+
+
+class UsageError(Exception):
+    """Bad command-line input, reported before any work is done (exit code 2)."""
+
+
+def check_minimum(flag: str, value: int | float, minimum: int | float, meaning: str = "") -> None:
+    """``value`` of ``flag`` is at least ``minimum``."""
+    if value < minimum:
+        why = f" ({meaning})" if meaning else ""
+        raise UsageError(f"{flag} must be at least {minimum}{why}; got {value}")
+
+
+def model_config(model_id: str):
+    """The model's ``PretrainedConfig``: a local ``config.json`` that does not parse is
+    named; a hub id is looked up (the config only, not the weights)."""
+    from transformers import AutoConfig
+
+    path = Path(model_id)
+    if path.is_dir():
+        try:
+            read_config(path)
+        except (FileNotFoundError, ValueError) as error:
+            raise UsageError(f"--model {model_id}: {error}") from error
+    try:
+        return AutoConfig.from_pretrained(model_id)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"--model {model_id}: its config cannot be read: {error}") from error
+
+
+def check_positions(config, **lengths: int) -> None:
+    """Every ``flag=length`` fits the model's ``max_position_embeddings``.
+
+    An error, not a warning: positions the model was never trained on give activations
+    it never produces in use (calibration statistics of the wrong distribution) and
+    meaningless perplexity, and models with learned position embeddings fail outright.
+    """
+    limit = getattr(config, "max_position_embeddings", None)
+    if not limit:
+        return
+    for flag, length in lengths.items():
+        if length > limit:
+            raise UsageError(
+                f"{flag} {length} exceeds the model's max_position_embeddings ({limit}): "
+                f"positions past it are outside what the model was trained on; use at "
+                f"most {limit}"
+            )
+
+
+def read_text(flag: str, source: str, reader) -> str:
+    """``reader(source)`` (``data.load_corpus`` or ``evaluation.evaluation_text``), with
+    every failure reported as a ``UsageError`` naming ``flag``."""
+    try:
+        text = reader(source)
+    except UnicodeDecodeError as error:
+        raise UsageError(
+            f"{flag} {source}: not UTF-8 text (a binary file?): {error.reason} at byte "
+            f"{error.start}"
+        ) from error
+    except FileNotFoundError as error:
+        raise UsageError(f"{flag}: {error}") from error
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise UsageError(f"{flag} {source!r} cannot be read: {error}") from error
+    if not isinstance(text, str) or not text.strip():
+        raise UsageError(f"{flag} {source!r} holds no text")
+    return text
+
+
+def meta_model(config) -> torch.nn.Module:
+    """The model of ``config`` on the meta device: its modules, names and shapes, with no
+    weights loaded or allocated."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def summarize_names(names: list[str]) -> str:
+    """Module names with layer indices folded: ``model.layers.{i}.mlp.up_proj (i = 0..29)``."""
+    folded, indices = [], set()
+    for name in names:
+        indices.update(int(i) for i in re.findall(r"\.(\d+)\.", name))
+        pattern = re.sub(r"\.\d+\.", ".{i}.", name)
+        if pattern not in folded:
+            folded.append(pattern)
+    text = ", ".join(folded)
+    if indices:
+        text += f" (i = {min(indices)}..{max(indices)})"
+    return text
