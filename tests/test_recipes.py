@@ -14,7 +14,8 @@ import whisper_modifiers
 from conftest import HELDOUT_TEXT, MODEL_DIR, RECIPES, linear_weights
 from whisper_modifiers.evaluation import perplexity
 
-CHAINS = ("w8a8", "fp8", "w4a16")  # pruning + quantization: tests/test_checkpoints.py
+# pruning + quantization: tests/test_checkpoints.py, tests/test_masked_gptq.py
+CHAINS = ("w8a8", "fp8", "w4a16", "gptq_w4a16")
 RECIPE_FILES = sorted(p for p in RECIPES.glob("*.yaml") if not p.stem.endswith(CHAINS))
 METHODS = [
     "magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper",

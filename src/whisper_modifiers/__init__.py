@@ -11,6 +11,7 @@ from whisper_modifiers.modifiers import (
     ALPSModifier,
     ALPSWhisperModifier,
     DifferencePruningBase,
+    MaskedGPTQModifier,
     OneShotMagnitudeModifier,
     RIAModifier,
     RIAWispModifier,
@@ -30,6 +31,7 @@ MODIFIERS = (
     RIAWispPlusModifier,
     ALPSModifier,
     ALPSWhisperModifier,
+    MaskedGPTQModifier,
 )
 for _modifier in MODIFIERS:
     ModifierFactory.register(_modifier.__name__, _modifier)
@@ -42,6 +44,7 @@ __all__ = [
     "ALPSModifier",
     "ALPSWhisperModifier",
     "DifferencePruningBase",
+    "MaskedGPTQModifier",
     "OneShotMagnitudeModifier",
     "RIAModifier",
     "RIAWispModifier",

@@ -47,10 +47,9 @@ def indivisible_layers(model: torch.nn.Module, scheme: str, ignore=("lm_head",))
     ]
 
 
-def keep_indivisible_unquantized(
-    modifier: QuantizationModifier, model: torch.nn.Module
-) -> QuantizationModifier:
-    """``modifier`` with the layers its scheme cannot quantize added to ``ignore`` (they
+def keep_indivisible_unquantized(modifier, model: torch.nn.Module):
+    """``modifier`` (a ``QuantizationModifier`` or a GPTQ modifier) with the layers its
+    scheme cannot quantize added to ``ignore`` (they
     stay in 16-bit), with a warning that names them.  A new modifier is built: the
     modifier caches its resolved configuration, so editing ``ignore`` in place is unsafe."""
     if not isinstance(modifier.scheme, str) or modifier.scheme not in SCHEMES:

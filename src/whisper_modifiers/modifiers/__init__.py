@@ -1,5 +1,6 @@
 from whisper_modifiers.modifiers.base import DEFAULT_DIFFERENCE_TARGETS, DifferencePruningBase
 from whisper_modifiers.modifiers.magnitude import OneShotMagnitudeModifier
+from whisper_modifiers.modifiers.masked_gptq import MaskedGPTQModifier, check_mask_kept
 from whisper_modifiers.modifiers.whisper import (
     ALPSModifier,
     ALPSWhisperModifier,
@@ -18,6 +19,7 @@ __all__ = [
     "ALPSModifier",
     "ALPSWhisperModifier",
     "DifferencePruningBase",
+    "MaskedGPTQModifier",
     "OneShotMagnitudeModifier",
     "RIAModifier",
     "RIAWispModifier",
@@ -25,4 +27,5 @@ __all__ = [
     "WhisperModifier",
     "WispModifier",
     "WispPlusModifier",
+    "check_mask_kept",
 ]
