@@ -74,10 +74,29 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
     }
 
 
-def legacy_sparse_checkpoint(directory: Path) -> Path:
-    """stories260K as a checkpoint in compressed-tensors' legacy ``sparse-24-bitmask``
-    layout would declare itself (what compressed-tensors < 0.15 wrote for 2:4 models)."""
-    shutil.copytree(MODEL_DIR, directory)
+def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
+    """stories260K as compressed-tensors < 0.15 wrote 2:4 models: its Linear weights made
+    2:4 (largest two of four, as its compressor did), stored as ``.compressed`` /
+    ``.bitmask`` / ``.shape`` and declared as the legacy ``sparse-24-bitmask`` format;
+    ``quantized`` adds a quantization scheme (a combination nothing reads today)."""
+    from transformers import AutoModelForCausalLM
+
+    from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    targets = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                groups = module.weight.reshape(module.weight.shape[0], -1, 4)
+                keep = torch.zeros_like(groups, dtype=torch.bool)
+                keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
+                module.weight.copy_((groups * keep).reshape(module.weight.shape))
+                targets.append(name)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(MODEL_DIR / name, directory / name)
+    write_sparse24(directory, targets)
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
@@ -89,5 +108,9 @@ def legacy_sparse_checkpoint(directory: Path) -> Path:
             "ignore": ["lm_head"],
         },
     }
+    if quantized:
+        config["quantization_config"]["config_groups"] = {
+            "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int"}}
+        }
     (directory / "config.json").write_text(json.dumps(config))
     return directory

@@ -72,12 +72,17 @@ def test_indivisible_layers():
     assert recipe[1].resolved_config.ignore == ["lm_head", "up", "small"]
 
 
-def test_legacy_sparse_format_is_refused_with_a_way_out(tmp_path):
-    legacy = legacy_sparse_checkpoint(tmp_path / "legacy")
+def test_legacy_sparse_format_loads_or_is_refused_with_a_way_out(tmp_path):
+    legacy = legacy_sparse_checkpoint(tmp_path / "legacy")  # unquantized: the same tensors
+    check_checkpoint(legacy)
+    model = load_checkpoint(legacy)
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    assert ((gate != 0).reshape(gate.shape[0], -1, 4).sum(-1) == 2).all()
+    quantized = legacy_sparse_checkpoint(tmp_path / "quantized", quantized=True)
     with pytest.raises(ValueError, match="legacy 'sparse-24-bitmask'.*compressed-tensors<0.15"):
-        check_checkpoint(legacy)
+        check_checkpoint(quantized)
     with pytest.raises(ValueError, match="legacy"):
-        load_checkpoint(legacy)
+        load_checkpoint(quantized)
 
 
 def test_incomplete_checkpoints(tmp_path):

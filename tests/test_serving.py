@@ -13,15 +13,19 @@ import json
 import math
 import os
 import runpy
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 
 from conftest import REPO, SHARED, legacy_sparse_checkpoint
-from whisper_modifiers.checkpoint import RECORD_FILE, load_checkpoint
+from whisper_modifiers.checkpoint import RECORD_FILE, REPORT_FILE, load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
+from whisper_modifiers.models import embedded_model_dir
 from whisper_modifiers.serve_cli import main as whisper_serve
 from whisper_modifiers.serving import (
     Server,
@@ -31,6 +35,7 @@ from whisper_modifiers.serving import (
     serving_python,
     vllm_perplexity,
 )
+from whisper_modifiers.sparse_serving import QUANT_METHOD
 
 try:
     serving_python()
@@ -80,7 +85,16 @@ def eval_windows(tokenizer):
 
 
 def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, eval_windows):
-    ckpt = checkpoint("whisper_2of4")
+    ckpt = checkpoint("whisper_2of4")  # the compressed 2:4 layout, served by our plugin
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == QUANT_METHOD
+    sizes = json.loads((ckpt / REPORT_FILE).read_text())["compressed_2of4"]
+    assert sizes["compressed_bytes"] <= 0.56 * sizes["dense_bytes"]
+    whole = (ckpt / "model.safetensors").stat().st_size
+    dense = (embedded_model_dir() / "model.safetensors").stat().st_size  # = the dense layout
+    print(f"\nSmolLM2-135M Whisper 2:4 compressed: 2:4 Linear weights "
+          f"{sizes['compressed_bytes'] / sizes['dense_bytes']:.3f}x dense; checkpoint "
+          f"{whole / 2**20:.0f} MiB vs {dense / 2**20:.0f} MiB ({whole / dense:.3f}x)")  # fmt: skip
     model = load_checkpoint(ckpt).eval()
     gate = model.model.layers[0].mlp.gate_proj.weight
     assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) >= 2).all()
@@ -109,7 +123,7 @@ def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_for
     ckpt = checkpoint(recipe)
     config = json.loads((ckpt / "config.json").read_text())
     assert config["quantization_config"]["format"] == quant_format
-    dense_bytes = (checkpoint("whisper_2of4") / "model.safetensors").stat().st_size
+    dense_bytes = (embedded_model_dir() / "model.safetensors").stat().st_size
     assert (ckpt / "model.safetensors").stat().st_size < dense_bytes
     record = json.loads((ckpt / RECORD_FILE).read_text())
     assert record["layers"]["model.layers.0.mlp.up_proj"]["pattern"] == "2:4"
@@ -146,12 +160,12 @@ def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
 
 
 def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
-    ckpt = checkpoint("whisper_2of4_w8a8")
+    ckpt = checkpoint("whisper_2of4")  # compressed 2:4, through the plugin
     argv = [str(ckpt), "--port", "8123", "--dry-run", "--", "--max-num-seqs", "2"]
     assert whisper_serve(argv) == 0
     printed = capsys.readouterr().out
     assert "vllm.entrypoints.openai.api_server --model" in printed
-    dtype = serving_dtype(ckpt)  # auto, or bfloat16 where vLLM's int8 kernel needs it
+    dtype = serving_dtype(ckpt)  # auto: unquantized
     assert printed.rstrip().endswith(
         f"--port 8123 --dtype {dtype} --enforce-eager --max-num-seqs 2"
     )
@@ -177,8 +191,50 @@ def test_serve_small_example(tmp_path, monkeypatch, capsys):
     assert printed.count("' -> '") == 2
 
 
+def test_stock_vllm_refuses_the_compressed_format_naming_the_plugin(checkpoint, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "none")  # vLLM loads no general plugin: stock vLLM
+    with pytest.raises(RuntimeError, match=f"Unknown quantization method: {QUANT_METHOD}"):
+        run_vllm(checkpoint("whisper_2of4"), prompts=[[1, 2, 3]], max_tokens=1)
+
+
+def test_legacy_sparse_24_bitmask_is_served_through_the_plugin(checkpoint, tokenizer, tmp_path):
+    """compressed-tensors < 0.15 wrote the same tensors under a legacy declaration, which
+    stock vLLM refuses; the plugin claims it (override_quantization_method)."""
+    ckpt = checkpoint("whisper_2of4")
+    legacy = tmp_path / "legacy"
+    shutil.copytree(ckpt, legacy)
+    config = json.loads((legacy / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "dense",
+        "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4",
+                            "targets": ["Linear"], "ignore": ["lm_head"]},
+    }  # fmt: skip
+    (legacy / "config.json").write_text(json.dumps(config))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    ours = run_vllm(ckpt, prompts=prompts, max_tokens=8)["completions"]
+    assert run_vllm(legacy, prompts=prompts, max_tokens=8)["completions"] == ours
+
+
+def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
+    script = (
+        "import torch\n"
+        "from whisper_modifiers.sparse_serving.vllm_plugin import _config_class\n"
+        "method = _config_class().linear_method('model.layers.0.mlp.down_proj')\n"
+        "try:\n"
+        "    method.create_weights(torch.nn.Module(), 36, [64], 72, 64, torch.float32,\n"
+        "                          weight_loader=None)\n"
+        "except ValueError as error:\n"
+        "    print('REFUSED', error)\n"
+    )
+    done = subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
+    assert "REFUSED model.layers.0.mlp.down_proj: its tensor-parallel shard holds 36 of 72" in (
+        done.stdout
+    ), done.stdout + done.stderr[-2000:]
+
+
 def test_serving_refuses_bad_checkpoints(tmp_path, capsys):
-    legacy = legacy_sparse_checkpoint(tmp_path / "legacy")
+    legacy = legacy_sparse_checkpoint(tmp_path / "legacy", quantized=True)
     assert whisper_serve([str(legacy), "--dry-run"]) == 2
     assert "legacy 'sparse-24-bitmask'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="legacy"):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from whisper_modifiers.sparse_serving.checkpoint import is_sparse24_checkpoint
+
 __all__ = [
     "RECORD_FILE",
     "REPORT_FILE",
@@ -123,9 +125,11 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
     ``whisper-prune`` output (a ``.NAME.partial-*`` directory left by a killed run) is
     refused unless ``unfinished_ok`` (whisper-prune's own check before renaming it).
 
-    A legacy sparse compressed-tensors format (``sparse-24-bitmask``, written by
-    compressed-tensors < 0.15) is refused with the way to convert it: current
-    compressed-tensors has no decompressor for it, and vLLM no kernel.
+    Compressed 2:4 checkpoints (``sparse_serving``: this package's format, and the
+    unquantized legacy ``sparse-24-bitmask`` of compressed-tensors < 0.15, which has the
+    same tensors) are accepted: ``load_checkpoint`` and the vLLM plugin read them. Other
+    legacy sparse formats are refused with the way to convert them: current
+    compressed-tensors has no decompressor for them, and vLLM no kernel.
     """
     directory = Path(directory)
     if not unfinished_ok and is_unfinished_output(directory):
@@ -135,11 +139,13 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
         )
     config = read_config(directory)
     sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
-    if sparsity.get("format") in LEGACY_SPARSE_FORMATS:
+    if sparsity.get("format") in LEGACY_SPARSE_FORMATS and not is_sparse24_checkpoint(config):
         raise ValueError(
             f"{directory} stores weights in the legacy {sparsity['format']!r} format of "
-            "compressed-tensors < 0.15, which current compressed-tensors cannot decompress "
-            "and current vLLM cannot serve. Convert it to the dense layout in an environment "
+            "compressed-tensors < 0.15 (quantized, or not 2:4), which current "
+            "compressed-tensors cannot decompress and current vLLM cannot serve (this package "
+            "reads the unquantized 'sparse-24-bitmask' only). Convert it to the dense layout "
+            "in an environment "
             "with the old library: pip install 'compressed-tensors<0.15' 'llmcompressor<0.8'; "
             "then load it with transformers (which decompresses it) and save_pretrained() it "
             "again, or re-run the recipe on the original model with this package."
@@ -182,13 +188,38 @@ def is_unfinished_output(directory: str | Path) -> bool:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
     """``check_checkpoint``, then load it with transformers, quantized weights dequantized
     to ``dtype`` (``run_compressed=False``: a packed W4A16 module otherwise stays packed and
-    has no ``weight``)."""
+    has no ``weight``) and compressed 2:4 weights decompressed (``sparse_serving``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
+    from whisper_modifiers.sparse_serving.checkpoint import read_dense_state_dict
+
     config = check_checkpoint(directory)
+    if is_sparse24_checkpoint(config):
+        return _load_sparse24(directory, dtype, read_dense_state_dict(directory))
     quantization = config.get("quantization_config") or {}
     kwargs = {}
     if quantization.get("quant_method") == "compressed-tensors":
         kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+
+
+def _load_sparse24(directory, dtype: torch.dtype, state: dict[str, torch.Tensor]):
+    """The model of ``config.json`` with ``state`` (dense tensors) loaded into it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(directory)
+    del hf_config.quantization_config  # the weights below are already dense
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
+        name for name, _ in model.named_parameters()
+    }
+    if unexpected or set(missing) - tied:
+        raise ValueError(
+            f"{directory}: weights do not match the model: missing "
+            f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    return model.eval()

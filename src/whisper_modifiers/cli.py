@@ -170,7 +170,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="calibration sampling seed")
     parser.add_argument("--skip-dense-eval", action="store_true")
+    parser.add_argument(
+        "--layout",
+        choices=("auto", "compressed", "dense"),
+        default="auto",
+        help="how 2:4 weights are stored: 'compressed' (half the values plus a 4-bit-per-"
+        "group bitmask, served by this package's vLLM plugin), 'dense' (zeros stored, "
+        "any loader), 'auto' (default: compressed for an unquantized 2:4 recipe, else dense)",
+    )
     return parser.parse_args(argv)
+
+
+def storage_layout(layout: str, modifiers: list) -> str:
+    """``--layout`` resolved: ``compressed`` needs a 2:4 recipe without quantization."""
+    from llmcompressor.modifiers.quantization.quantization.mixin import QuantizationMixin
+
+    two_four = any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
+    quantized = any(isinstance(m, QuantizationMixin) for m in modifiers)
+    if layout == "auto":
+        return "compressed" if two_four and not quantized else "dense"
+    if layout == "compressed" and (quantized or not two_four):
+        raise UsageError(
+            "--layout compressed stores unquantized 2:4 weights: the recipe "
+            + (
+                "also quantizes (its chains keep compressed-tensors' layout)"
+                if quantized
+                else "has no mask_structure '2:4' modifier"
+            )  # fmt: skip
+        )
+    return layout
+
+
+def two_four_layers(model, modifiers: list) -> list[str]:
+    """Names of the Linear modules that the recipe's 2:4 modifiers prune."""
+    import torch
+    from compressed_tensors.utils import match_named_modules, match_targets
+
+    names = []
+    for modifier in modifiers:
+        if getattr(modifier, "mask_structure", None) != "2:4":
+            continue
+        ignore = list(modifier.ignore or [])
+        for name, module in match_named_modules(model, modifier.targets, ignore):
+            inner = [(name, module)] if isinstance(module, torch.nn.Linear) else [
+                (f"{name}.{n}", m) for n, m in module.named_modules()
+                if isinstance(m, torch.nn.Linear)
+            ]  # fmt: skip
+            names += [n for n, m in inner if not match_targets(n, m, ignore)]
+    return sorted(set(names))
 
 
 # flag -> (minimum, what it is)
@@ -222,6 +269,8 @@ def run(args: argparse.Namespace) -> dict:
     from whisper_modifiers.methods import run_oneshot
     from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
     from whisper_modifiers.output_dir import partial_output
+    from whisper_modifiers.sparse_serving import NotTwoFourError, check_two_four
+    from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
 
     calibration_text = read_text(
         "--calibration", args.calibration, lambda s: load_corpus(s, split="train")
@@ -251,6 +300,7 @@ def run(args: argparse.Namespace) -> dict:
     skeleton = meta_model(config)
     modifiers = load_recipe(recipe, skeleton)
     check_recipe_targets(recipe, modifiers, skeleton)
+    layout = storage_layout(args.layout, modifiers)
     for stale in remove_stale_partials(output_dir, started):
         logger.info(f"removed {stale}, left by an interrupted whisper-prune")
 
@@ -312,8 +362,18 @@ def run(args: argparse.Namespace) -> dict:
         check_output_dir(output_dir, inputs, args.overwrite)
     except OutputDirError as error:
         raise UsageError(f"{error} (it changed while this run was pruning)") from error
+    report["layout"] = layout
+    two_four = two_four_layers(model, modifiers)
+    if layout == "compressed":
+        try:
+            for name in two_four:
+                check_two_four(model.get_submodule(name).weight, name)
+        except NotTwoFourError as error:
+            raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error
     with partial_output(output_dir) as partial:  # never a half-written checkpoint
         model.save_pretrained(partial, save_compressed=True)
+        if layout == "compressed":
+            report["compressed_2of4"] = write_sparse24(partial, two_four)
         tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(json.dumps(report, indent=2))
         write_record(partial, record)

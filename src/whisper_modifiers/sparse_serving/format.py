@@ -1,0 +1,95 @@
+"""The compressed 2:4 layout: half the values plus a bitmask (4 bits per group of four).
+
+Tensor layout of compressed-tensors' legacy ``sparse-24-bitmask`` format (what
+compressed-tensors < 0.15 wrote), per 2:4 Linear ``NAME``:
+
+* ``NAME.compressed``: the two kept values of every group of four consecutive inputs,
+  row-major, ``[out, in / 2]``, in the weight's dtype;
+* ``NAME.bitmask``: which inputs are kept, one bit per input, packed eight to a byte
+  with the lowest bit first (``numpy.packbits(..., bitorder="little")``),
+  ``[out, ceil(in / 8)]`` uint8;
+* ``NAME.shape``: ``[[out], [in]]``.
+
+Exactly two positions per group are marked: the nonzeros, padded with the first zero
+positions where a group has fewer than two nonzeros, so ``decompress_24`` returns the
+weight exactly.  Pure torch: this module is imported by the vLLM plugin too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "QUANT_METHOD",
+    "NotTwoFourError",
+    "check_two_four",
+    "compress_24",
+    "decompress_24",
+    "pack_bits",
+    "unpack_bits",
+]
+
+# config.json's quantization_config.quant_method of a compressed 2:4 checkpoint: a name of
+# our own (transformers cannot re-register "compressed-tensors"), and the name of the
+# package whose plugin serves it, so stock vLLM's "Unknown quantization method" names it
+QUANT_METHOD = "whisper-modifiers-sparse24"
+
+_BITS = 1 << torch.arange(8, dtype=torch.int32)  # bit i of a byte is column 8j + i
+
+
+class NotTwoFourError(ValueError):
+    """A tensor that is not exactly 2:4 (or cannot be split into groups of four)."""
+
+
+def check_two_four(weight: torch.Tensor, name: str) -> None:
+    """Raise ``NotTwoFourError`` naming ``name`` unless every group of four consecutive
+    inputs of every row of ``weight`` has at least two zeros."""
+    if weight.dim() != 2 or weight.shape[1] % 4:
+        raise NotTwoFourError(
+            f"{name}: shape {tuple(weight.shape)} has no groups of four inputs (2:4 needs a "
+            "2-D weight whose input size is a multiple of 4)"
+        )
+    nonzeros = (weight != 0).reshape(weight.shape[0], -1, 4).sum(-1)
+    if (nonzeros > 2).any():
+        rows, groups = (nonzeros > 2).nonzero(as_tuple=True)
+        raise NotTwoFourError(
+            f"{name} is not exactly 2:4: {len(rows)} of {nonzeros.numel()} groups of four "
+            f"hold more than two nonzeros (first: row {int(rows[0])}, inputs "
+            f"{4 * int(groups[0])}..{4 * int(groups[0]) + 3})"
+        )
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """``[rows, columns]`` bool to ``[rows, ceil(columns / 8)]`` uint8, lowest bit first."""
+    rows, columns = mask.shape
+    padded = torch.zeros(rows, -(-columns // 8) * 8, dtype=torch.int32, device=mask.device)
+    padded[:, :columns] = mask.to(torch.int32)
+    return (padded.reshape(rows, -1, 8) * _BITS.to(mask.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """The inverse of ``pack_bits``: ``[rows, columns]`` bool."""
+    bits = (packed.to(torch.int32).unsqueeze(-1) & _BITS.to(packed.device)) != 0
+    return bits.reshape(packed.shape[0], -1)[:, :columns]
+
+
+def compress_24(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(compressed, bitmask)`` of an exactly 2:4 ``weight`` (``check_two_four`` first)."""
+    check_two_four(weight, name)
+    rows, columns = weight.shape
+    groups = (weight != 0).reshape(rows, -1, 4)
+    # two marks per group: nonzeros first, then the first zeros (a stable sort of ~mask)
+    order = torch.sort((~groups).to(torch.int8), dim=-1, stable=True).indices[..., :2]
+    mask = torch.zeros_like(groups).scatter_(-1, order, True).reshape(rows, columns)
+    return weight[mask].reshape(rows, columns // 2), pack_bits(mask)
+
+
+def decompress_24(
+    compressed: torch.Tensor, bitmask: torch.Tensor, shape: tuple[int, int]
+) -> torch.Tensor:
+    """The dense ``[out, in]`` weight of ``compress_24``'s output."""
+    rows, columns = int(shape[0]), int(shape[1])
+    mask = unpack_bits(bitmask, columns)
+    dense = torch.zeros(rows, columns, dtype=compressed.dtype, device=compressed.device)
+    dense[mask] = compressed.reshape(-1)
+    return dense

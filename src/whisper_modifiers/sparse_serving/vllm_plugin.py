@@ -1,0 +1,182 @@
+"""vLLM plugin: serve compressed 2:4 checkpoints (``format``'s layout).
+
+Installed as the ``vllm.general_plugins`` entry point ``whisper_modifiers_sparse24``;
+vLLM calls ``register`` in every process, which registers ``Sparse24Config`` under
+``QUANT_METHOD`` with ``register_quantization_config``. The config also claims, through
+``override_quantization_method``, unquantized checkpoints in compressed-tensors' legacy
+``sparse-24-bitmask`` format (compressed-tensors < 0.15), which stock vLLM refuses: the
+tensors have the same layout.
+
+``Sparse24LinearMethod`` creates the compressed parameters (``compressed``, ``bitmask``,
+``shape``) with vLLM's own weight loaders, so merged layers (qkv, gate_up) and
+tensor-parallel shards load as the dense weight would: rows are outputs, so output
+shards are row ranges; an input (row-parallel) shard must hold whole bytes of the bitmask
+(a multiple of 8 inputs), else loading stops with an error naming the layer. After
+loading, ``process_weights_after_loading`` decompresses to the dense weight and hands it
+to vLLM's unquantized path (``UnquantizedLinearMethod``): on CPU, and for now on GPUs too:
+the kernel entry point (``sparse24_dense_weight``) has no 2:4 tensor-core GEMM behind it
+yet, so sm80+ GPUs also get the dense weight.
+
+Imports only torch and vLLM (and this subpackage).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from whisper_modifiers.sparse_serving.format import QUANT_METHOD, decompress_24
+
+__all__ = ["register", "sparse24_dense_weight"]
+
+_LEGACY_FORMAT = "sparse-24-bitmask"
+_registered = False
+
+
+def register() -> None:
+    """The entry point: register the quantization config with vLLM (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    register_quantization_config(QUANT_METHOD)(_config_class())
+    _registered = True
+
+
+def _config_class():
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    class Sparse24LinearMethod(UnquantizedLinearMethod):
+        """2:4 weights loaded compressed, decompressed after loading."""
+
+        def __init__(self, name: str):
+            super().__init__()
+            self.name = name
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                           input_size, output_size, params_dtype,
+                           **extra_weight_attrs):  # fmt: skip
+            if input_size_per_partition % 8:
+                raise ValueError(
+                    f"{self.name}: its tensor-parallel shard holds {input_size_per_partition} "
+                    f"of {input_size} inputs, which splits groups of four (or bitmask bytes) "
+                    "of the compressed 2:4 weight; use a tensor-parallel size that divides "
+                    "the input size into multiples of 8"
+                )
+            weight_loader = extra_weight_attrs.pop("weight_loader")
+            rows = sum(output_partition_sizes)
+            for name, columns, dtype in (
+                ("compressed", input_size_per_partition // 2, params_dtype),
+                ("bitmask", input_size_per_partition // 8, torch.uint8),
+            ):
+                parameter = torch.nn.Parameter(
+                    torch.empty(rows, columns, dtype=dtype), requires_grad=False
+                )
+                layer.register_parameter(name, parameter)
+                parameter.output_dim, parameter.input_dim = 0, 1
+                parameter.weight_loader = weight_loader
+                for key, value in extra_weight_attrs.items():
+                    setattr(parameter, key, value)
+            shape = torch.nn.Parameter(torch.empty(2, 1, dtype=torch.int64), requires_grad=False)
+            shape.weight_loader = lambda *args, **kwargs: None  # known from the layer
+            layer.register_parameter("shape", shape)
+            layer.sparse24_dense_shape = (rows, input_size_per_partition)
+            layer.sparse24_dtype = params_dtype
+
+        def process_weights_after_loading(self, layer) -> None:
+            weight = sparse24_dense_weight(layer)
+            for name in ("compressed", "bitmask", "shape"):
+                delattr(layer, name)
+            layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+            super().process_weights_after_loading(layer)
+
+    class Sparse24Config(QuantizationConfig):
+        """Compressed 2:4 Linear weights (``targets``; ``Linear`` for every one but
+        ``ignore``), decompressed at load time."""
+
+        linear_method = Sparse24LinearMethod
+
+        def __init__(self, targets: list[str], ignore: list[str]):
+            super().__init__()
+            self.targets = targets
+            self.ignore = ignore
+
+        @classmethod
+        def get_name(cls) -> str:
+            return QUANT_METHOD
+
+        @classmethod
+        def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+            return [torch.float32, torch.float16, torch.bfloat16]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 0  # decompressed to dense: any device
+
+        @classmethod
+        def get_config_filenames(cls) -> list[str]:
+            return []
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> Sparse24Config:
+            sparsity = config.get("sparsity_config") or config
+            return cls(list(sparsity.get("targets") or []), list(sparsity.get("ignore") or []))
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg, user_quant, **kwargs):
+            sparsity = (hf_quant_cfg or {}).get("sparsity_config") or {}
+            if (
+                hf_quant_cfg.get("quant_method") == "compressed-tensors"
+                and sparsity.get("format") == _LEGACY_FORMAT
+                and not hf_quant_cfg.get("config_groups")
+            ):
+                return QUANT_METHOD  # the legacy layout is ours; quantized ones are not
+            return None
+
+        def _compressed(self, name: str) -> bool:
+            if any(_matches(name, pattern) for pattern in self.ignore):
+                return False
+            return any(_matches(name, pattern) for pattern in self.targets)
+
+        def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+            if not isinstance(layer, LinearBase):
+                return None
+            parts = _fused_parts(prefix, self.packed_modules_mapping)
+            chosen = {self._compressed(part) for part in parts}
+            if len(chosen) > 1:
+                raise ValueError(
+                    f"{prefix} fuses {', '.join(parts)}, of which only some are compressed "
+                    "2:4; vLLM loads them as one layer, so all or none must be"
+                )
+            return Sparse24LinearMethod(prefix) if chosen.pop() else UnquantizedLinearMethod()
+
+    return Sparse24Config
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern == "Linear":
+        return True
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith(f".{pattern}")
+
+
+def _fused_parts(prefix: str, mapping: dict[str, list[str]]) -> list[str]:
+    """The checkpoint names behind vLLM's layer ``prefix`` (``qkv_proj`` is ``q_proj``,
+    ``k_proj`` and ``v_proj``)."""
+    head, _, last = prefix.rpartition(".")
+    if last in (mapping or {}):
+        return [f"{head}.{part}" if head else part for part in mapping[last]]
+    return [prefix]
+
+
+def sparse24_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The kernel entry point for a loaded 2:4 layer: today the dense weight, everywhere.
+    (A 2:4 tensor-core GEMM would keep ``compressed``/``bitmask`` instead on sm80+.)"""
+    return decompress_24(layer.compressed.data, layer.bitmask.data, layer.sparse24_dense_shape).to(
+        layer.sparse24_dtype
+    )

@@ -1,0 +1,138 @@
+"""The compressed 2:4 checkpoint format: tensors, whisper-prune's writer, loading back
+(stories260K; SmolLM2 and vLLM in tests/test_serving.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy
+import pytest
+import torch
+
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR
+from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
+from whisper_modifiers.cli import main as whisper_prune
+from whisper_modifiers.sparse_serving import (
+    QUANT_METHOD,
+    NotTwoFourError,
+    check_two_four,
+    compress_24,
+    decompress_24,
+)
+from whisper_modifiers.sparse_serving.format import pack_bits, unpack_bits
+
+FAST = [
+    "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
+    "--num-sequences", "4", "--seq-len", "64", "--eval-text", str(HELDOUT_TEXT),
+    "--eval-seq-len", "128", "--eval-windows", "2", "--skip-dense-eval",
+]  # fmt: skip
+
+
+def random_two_four(rows=8, columns=32, seed=0) -> torch.Tensor:
+    weight = torch.randn(rows, columns, generator=torch.Generator().manual_seed(seed))
+    groups = weight.reshape(rows, -1, 4)
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
+    return (groups * keep).reshape(rows, columns)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_exact_and_the_layout_is_the_legacy_one(dtype):
+    weight = random_two_four().to(dtype)
+    weight[0, :4] = 0  # a group with fewer than two nonzeros
+    weight[1, 4:8] = torch.tensor([0, 3, 0, 0], dtype=dtype)
+    compressed, bitmask = compress_24(weight)
+    assert compressed.shape == (8, 16) and compressed.dtype == dtype
+    assert bitmask.shape == (8, 4) and bitmask.dtype == torch.uint8
+    assert torch.equal(decompress_24(compressed, bitmask, weight.shape), weight)
+    mask = unpack_bits(bitmask, 32)
+    assert (mask.reshape(8, -1, 4).sum(-1) == 2).all()  # exactly two marks per group
+    assert torch.equal(mask[1, 4:8], torch.tensor([True, True, False, False]))  # padded
+    # compressed-tensors < 0.15 packed with numpy.packbits(..., bitorder="little")
+    assert numpy.array_equal(
+        pack_bits(mask).numpy(), numpy.packbits(mask.numpy(), axis=-1, bitorder="little")
+    )
+    assert torch.equal(compressed, weight[mask].reshape(8, 16))  # row-major kept values
+
+
+def test_bytes_are_at_most_0_53_of_dense():
+    weight = random_two_four(64, 256)
+    compressed, bitmask = compress_24(weight)
+    ratio = (compressed.numel() * 4 + bitmask.numel()) / (weight.numel() * 4)
+    assert ratio == pytest.approx(0.5 + 1 / 32)
+
+
+def test_not_two_four_is_refused_with_the_name():
+    weight = random_two_four()
+    weight[3, 9] = 1.0
+    with pytest.raises(NotTwoFourError, match=r"layer\.x is not exactly 2:4: 1 of 64.*row 3"):
+        check_two_four(weight, "layer.x")
+    with pytest.raises(NotTwoFourError, match="layer.y: shape"):
+        compress_24(torch.zeros(4, 6), "layer.y")
+
+
+def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identically(tmp_path):
+    compressed, dense = tmp_path / "compressed", tmp_path / "dense"
+    assert whisper_prune([*FAST, "--recipe", "whisper_2of4", "--output-dir", str(compressed)]) == 0
+    args = [*FAST, "--recipe", "whisper_2of4", "--layout", "dense", "--output-dir", str(dense)]
+    assert whisper_prune(args) == 0
+    config = check_checkpoint(compressed)
+    assert config["quantization_config"]["quant_method"] == QUANT_METHOD
+    assert "model.layers.0.mlp.gate_proj" in config["quantization_config"]["targets"]
+    assert "lm_head" not in config["quantization_config"]["targets"]
+    report = json.loads((compressed / REPORT_FILE).read_text())
+    assert report["layout"] == "compressed"
+    sizes = report["compressed_2of4"]
+    assert sizes["compressed_bytes"] <= 0.56 * sizes["dense_bytes"]
+    whole = (compressed / "model.safetensors").stat().st_size
+    dense_whole = (dense / "model.safetensors").stat().st_size
+    print(f"\nstories260K Whisper 2:4: 2:4 Linear weights {sizes['compressed_bytes']} B "
+          f"compressed vs {sizes['dense_bytes']} B dense; checkpoint {whole} vs "
+          f"{dense_whole} B ({whole / dense_whole:.3f}x)")  # fmt: skip
+    ours, reference = load_checkpoint(compressed).state_dict(), load_checkpoint(dense).state_dict()
+    assert ours.keys() == reference.keys()
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+def test_a_layer_that_is_not_two_four_is_refused_at_save_time(tmp_path, capsys, monkeypatch):
+    import whisper_modifiers.methods as methods
+
+    real = methods.run_oneshot
+
+    def run_oneshot(model, *args, **kwargs):  # pruning that leaves one layer not 2:4
+        result = real(model, *args, **kwargs)
+        with torch.no_grad():
+            model.model.layers[3].mlp.up_proj.weight[5, :4] = 1.0
+        return result
+
+    monkeypatch.setattr(methods, "run_oneshot", run_oneshot)
+    out = tmp_path / "ckpt"
+    assert whisper_prune([*FAST, "--recipe", "wisp_2of4", "--output-dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "model.layers.3.mlp.up_proj is not exactly 2:4" in err
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [("whisper_2of4_w8a8", "also quantizes"), ("whisper_50", "no mask_structure '2:4'")],
+)
+def test_compressed_layout_needs_an_unquantized_two_four_recipe(tmp_path, capsys, recipe, message):
+    args = [
+        *FAST,
+        "--recipe",
+        recipe,
+        "--layout",
+        "compressed",
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    assert whisper_prune(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unstructured_and_quantized_recipes_keep_the_dense_layout(tmp_path):
+    out = tmp_path / "ckpt"
+    assert whisper_prune([*FAST, "--recipe", "wanda_50", "--output-dir", str(out)]) == 0
+    assert json.loads((out / REPORT_FILE).read_text())["layout"] == "dense"
+    assert not (check_checkpoint(out).get("quantization_config") or {}).get("quant_method")
