@@ -8,6 +8,7 @@ import json
 import numpy
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR
 from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
@@ -92,6 +93,15 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
     ours, reference = load_checkpoint(compressed).state_dict(), load_checkpoint(dense).state_dict()
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+    # plain transformers, after `import whisper_modifiers` (its quantizer registration):
+    # dense weights, no quantization left, and save_pretrained writes the dense layout
+    plain = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
+    assert getattr(plain.config, "quantization_config", None) is None
+    assert all(torch.equal(plain.state_dict()[k], reference[k]) for k in reference)
+    plain.save_pretrained(tmp_path / "resaved")
+    resaved = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", dtype=torch.float32)
+    assert all(torch.equal(resaved.state_dict()[k], reference[k]) for k in reference)
 
 
 def test_a_layer_that_is_not_two_four_is_refused_at_save_time(tmp_path, capsys, monkeypatch):

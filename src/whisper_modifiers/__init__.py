@@ -1,7 +1,8 @@
 """Difference-informed one-shot pruning (Wisp, Wisp+, Whisper) for llmcompressor.
 
 Importing this package registers every modifier in ``MODIFIERS`` with llmcompressor's
-``ModifierFactory`` under its class name, so YAML recipes can name them. In the serving
+``ModifierFactory`` under its class name, so YAML recipes can name them, and the
+compressed 2:4 checkpoint format with transformers' quantizer registry. In the serving
 environment, which has vLLM but not llmcompressor, nothing is imported: only the
 ``sparse_serving`` subpackage (the vLLM plugin) is used there.
 """
@@ -43,6 +44,13 @@ if importlib.util.find_spec("llmcompressor") is not None:
     )
     for _modifier in MODIFIERS:
         ModifierFactory.register(_modifier.__name__, _modifier)
+
+    # transformers loads compressed 2:4 checkpoints (decompressed) from now on
+    from whisper_modifiers.sparse_serving.transformers_quantizer import (
+        register as _register_sparse24,
+    )
+
+    _register_sparse24()
 
     __all__ = [
         "DEFAULT_DIFFERENCE_TARGETS",

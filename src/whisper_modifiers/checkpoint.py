@@ -188,16 +188,20 @@ def is_unfinished_output(directory: str | Path) -> bool:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
     """``check_checkpoint``, then load it with transformers, quantized weights dequantized
     to ``dtype`` (``run_compressed=False``: a packed W4A16 module otherwise stays packed and
-    has no ``weight``) and compressed 2:4 weights decompressed (``sparse_serving``)."""
+    has no ``weight``) and compressed 2:4 weights decompressed (our format through the
+    quantizer ``import whisper_modifiers`` registers; the legacy declaration here)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     from whisper_modifiers.sparse_serving.checkpoint import read_dense_state_dict
+    from whisper_modifiers.sparse_serving.format import QUANT_METHOD
 
     config = check_checkpoint(directory)
-    if is_sparse24_checkpoint(config):
-        return _load_sparse24(directory, dtype, read_dense_state_dict(directory))
     quantization = config.get("quantization_config") or {}
+    if is_sparse24_checkpoint(config) and quantization.get("quant_method") != QUANT_METHOD:
+        # the legacy declaration ("compressed-tensors"), which transformers would route to
+        # compressed-tensors' quantizer: read the same tensors ourselves
+        return _load_sparse24(directory, dtype, read_dense_state_dict(directory))
     kwargs = {}
     if quantization.get("quant_method") == "compressed-tensors":
         kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
@@ -205,7 +209,8 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
 
 
 def _load_sparse24(directory, dtype: torch.dtype, state: dict[str, torch.Tensor]):
-    """The model of ``config.json`` with ``state`` (dense tensors) loaded into it."""
+    """The model of ``config.json`` with ``state`` (dense tensors) loaded into it: a legacy
+    ``sparse-24-bitmask`` checkpoint, which transformers routes to compressed-tensors."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(directory)

@@ -1,0 +1,103 @@
+"""transformers support for compressed 2:4 checkpoints: after ``import whisper_modifiers``,
+``AutoModelForCausalLM.from_pretrained`` loads them with dense weights.
+
+``register`` adds a quantization config and an ``HfQuantizer`` under ``QUANT_METHOD``
+through transformers' own registry (``register_quantization_config``,
+``register_quantizer``). The quantizer changes no module: its weight conversion turns the
+three checkpoint tensors of a 2:4 Linear (``compressed``, ``bitmask``, ``shape``) into the
+dense ``weight`` while transformers loads them (``format.decompress_24``). The loaded
+model is an ordinary dense model; ``save_pretrained`` on it writes the dense layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from whisper_modifiers.sparse_serving.format import QUANT_METHOD, decompress_24
+
+__all__ = ["register"]
+
+_registered = False
+
+
+def register() -> None:
+    """Register the config and quantizer with transformers (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+    from transformers.quantizers.auto import register_quantization_config, register_quantizer
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import get_module_from_name
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    class Sparse24TransformersConfig(QuantizationConfigMixin):
+        """``config.json``'s ``quantization_config`` of a compressed 2:4 checkpoint."""
+
+        def __init__(self, targets=None, format="sparse-24-bitmask", sparsity_structure="2:4",
+                     **kwargs):  # fmt: skip
+            self.quant_method = QUANT_METHOD
+            self.targets = list(targets or [])
+            self.format = format
+            self.sparsity_structure = sparsity_structure
+            # the weights load dense: transformers then drops the quantization config, and
+            # the model is an ordinary dense one (save_pretrained writes the dense layout)
+            self.dequantize = True
+
+    class Sparse24Decompress(ConversionOps):
+        """``compressed``, ``bitmask``, ``shape`` -> the dense ``weight``."""
+
+        def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
+            def first(key):
+                value = input_dict[key]
+                return value[0] if isinstance(value, list) else value
+
+            shape = first("shape").reshape(-1).tolist()
+            dense = decompress_24(first("compressed"), first("bitmask"), shape)
+            if model is not None and full_layer_name is not None:
+                module, name = get_module_from_name(model, full_layer_name)
+                target = getattr(module, name, None)
+                if isinstance(target, torch.Tensor) and target.is_floating_point():
+                    dense = dense.to(target.dtype)
+            return {full_layer_name or "weight": dense}
+
+    class Sparse24HfQuantizer(HfQuantizer):
+        """Loads compressed 2:4 weights dense; the model itself is not changed."""
+
+        requires_calibration = False
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            return model
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            # the weights are dense now: nothing to redo when saving (save_pretrained would
+            # otherwise try to reverse the decompression)
+            model._weight_conversions = [
+                conversion
+                for conversion in getattr(model, "_weight_conversions", None) or []
+                if not any(
+                    isinstance(op, Sparse24Decompress)
+                    for op in getattr(conversion, "operations", [])
+                )  # fmt: skip
+            ]
+            return model
+
+        def is_serializable(self):
+            return True  # the model is dense after loading
+
+        @property
+        def is_trainable(self):
+            return True  # the loaded weights are ordinary dense tensors
+
+        def get_weight_conversions(self):
+            return [
+                WeightConverter(
+                    source_patterns=["compressed", "bitmask", "shape"],
+                    target_patterns="weight",
+                    operations=[Sparse24Decompress()],
+                )
+            ]
+
+    register_quantization_config(QUANT_METHOD)(Sparse24TransformersConfig)
+    register_quantizer(QUANT_METHOD)(Sparse24HfQuantizer)
+    _registered = True
