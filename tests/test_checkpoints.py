@@ -12,6 +12,7 @@ from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, RECIPES, legacy_
 from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.cli import main
 from whisper_modifiers.quantization import chained_recipe, indivisible_layers
+from whisper_modifiers.sparse_serving import QUANT_METHOD
 
 FAST = [
     "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
@@ -29,12 +30,17 @@ FAST = [
         ("wisp_plus_2of4_fp8", "float-quantized"),
     ],
 )
-def test_chain_keeps_two_four_after_quantization(tmp_path, recipe, quant_format):
+@pytest.mark.parametrize("layout", ["compressed", "dense"])
+def test_chain_keeps_two_four_after_quantization(tmp_path, recipe, quant_format, layout):
     out = tmp_path / "ckpt"
-    assert main([*FAST, "--recipe", recipe, "--output-dir", str(out)]) == 0
+    assert main([*FAST, "--recipe", recipe, "--layout", layout, "--output-dir", str(out)]) == 0
     config = check_checkpoint(out)
-    assert config["quantization_config"]["format"] == quant_format
-    assert not config["quantization_config"].get("sparsity_config")  # vLLM refuses targets
+    quantization = config["quantization_config"]
+    if layout == "compressed":  # 8-bit values compressed, compressed-tensors' config nested
+        assert quantization["quant_method"] == QUANT_METHOD
+        quantization = quantization["quantization_config"]
+    assert quantization["format"] == quant_format
+    assert not quantization.get("sparsity_config")  # vLLM refuses targets
     model = load_checkpoint(out)  # dequantizes
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":

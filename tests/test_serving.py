@@ -20,6 +20,7 @@ import tempfile
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import REPO, SHARED, legacy_sparse_checkpoint
 from whisper_modifiers.checkpoint import RECORD_FILE, REPORT_FILE, load_checkpoint
@@ -52,21 +53,22 @@ EVAL_LEN, EVAL_WINDOWS = 256, 4
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """``checkpoint(recipe)``: the embedded SmolLM2-135M pruned by ``recipe`` (built once)."""
+    """``checkpoint(recipe, layout)``: the embedded SmolLM2-135M pruned by ``recipe`` and
+    stored in ``layout`` (whisper-prune's ``--layout``; built once)."""
     built = {}
 
-    def build(recipe: str):
-        if recipe not in built:
+    def build(recipe: str, layout: str = "auto"):
+        if (recipe, layout) not in built:
             out = tmp_path_factory.mktemp(recipe) / "ckpt"
             argv = [
-                "--recipe", recipe, "--output-dir", str(out),
+                "--recipe", recipe, "--output-dir", str(out), "--layout", layout,
                 "--calibration", str(SHARED / "data" / "wikitext-2" / "valid.txt"),
                 "--num-sequences", "8", "--seq-len", "128", "--eval-text", str(EVAL_TEXT),
                 "--eval-seq-len", str(EVAL_LEN), "--eval-windows", "1", "--skip-dense-eval",
             ]  # fmt: skip
             assert whisper_prune(argv) == 0
-            built[recipe] = out
-        return built[recipe]
+            built[recipe, layout] = out
+        return built[recipe, layout]
 
     return build
 
@@ -96,6 +98,14 @@ def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, ev
           f"{sizes['compressed_bytes'] / sizes['dense_bytes']:.3f}x dense; checkpoint "
           f"{whole / 2**20:.0f} MiB vs {dense / 2**20:.0f} MiB ({whole / dense:.3f}x)")  # fmt: skip
     model = load_checkpoint(ckpt).eval()
+    # the same weights as the pruned model saved dense (same seed and data), bit for bit,
+    # through plain transformers too (import whisper_modifiers registered the format)
+    pruned = AutoModelForCausalLM.from_pretrained(checkpoint("whisper_2of4", "dense"),
+                                                  dtype=torch.float32).state_dict()  # fmt: skip
+    plain = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).state_dict()
+    for reloaded in (model.state_dict(), plain):
+        assert reloaded.keys() == pruned.keys()
+        assert all(torch.equal(reloaded[k], pruned[k]) for k in pruned)
     gate = model.model.layers[0].mlp.gate_proj.weight
     assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) >= 2).all()
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -120,9 +130,12 @@ def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, ev
     ],
 )
 def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_format):
-    ckpt = checkpoint(recipe)
-    config = json.loads((ckpt / "config.json").read_text())
-    assert config["quantization_config"]["format"] == quant_format
+    ckpt = checkpoint(recipe)  # W8A8, FP8: compressed 2:4 of 8-bit values; W4A16: dense
+    quantization = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    if quant_format != "pack-quantized":
+        assert quantization["quant_method"] == QUANT_METHOD
+        quantization = quantization["quantization_config"]
+    assert quantization["format"] == quant_format
     dense_bytes = (embedded_model_dir() / "model.safetensors").stat().st_size
     assert (ckpt / "model.safetensors").stat().st_size < dense_bytes
     record = json.loads((ckpt / RECORD_FILE).read_text())

@@ -125,24 +125,42 @@ def test_a_layer_that_is_not_two_four_is_refused_at_save_time(tmp_path, capsys, 
 
 @pytest.mark.parametrize(
     ("recipe", "message"),
-    [("whisper_2of4_w8a8", "also quantizes"), ("whisper_50", "no mask_structure '2:4'")],
+    [
+        ("whisper_2of4_w4a16", "packs weights to fewer bits"),
+        ("whisper_50", "no mask_structure '2:4'"),
+    ],  # fmt: skip
 )
-def test_compressed_layout_needs_an_unquantized_two_four_recipe(tmp_path, capsys, recipe, message):
-    args = [
-        *FAST,
-        "--recipe",
-        recipe,
-        "--layout",
-        "compressed",
-        "--output-dir",
-        str(tmp_path / "o"),
-    ]
+def test_compressed_layout_needs_a_two_four_recipe_of_8_bit_values(tmp_path, capsys, recipe,
+                                                                    message):  # fmt: skip
+    out = str(tmp_path / "o")
+    args = [*FAST, "--recipe", recipe, "--layout", "compressed", "--output-dir", out]
     assert whisper_prune(args) == 2
     assert message in capsys.readouterr().err
 
 
-def test_unstructured_and_quantized_recipes_keep_the_dense_layout(tmp_path):
+@pytest.mark.parametrize("recipe", ["whisper_2of4_w8a8", "whisper_2of4_fp8"])
+def test_quantized_chains_compress_their_8_bit_values(tmp_path, recipe):
+    compressed, dense = tmp_path / "compressed", tmp_path / "dense"
+    assert whisper_prune([*FAST, "--recipe", recipe, "--output-dir", str(compressed)]) == 0
+    args = [*FAST, "--recipe", recipe, "--layout", "dense", "--output-dir", str(dense)]
+    assert whisper_prune(args) == 0
+    sizes = json.loads((compressed / REPORT_FILE).read_text())["compressed_2of4"]
+    assert sizes["compressed_bytes"] <= 0.63 * sizes["dense_bytes"]  # 1/2 + 1/8 of 8 bits
+    assert (compressed / "model.safetensors").stat().st_size < (
+        dense / "model.safetensors"
+    ).stat().st_size
+    # dequantized weights: ours (decompress, times the scale) equal compressed-tensors'
+    reference = load_checkpoint(dense).state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
+    for model in (load_checkpoint(compressed), plain):
+        ours = model.state_dict()
+        assert all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+@pytest.mark.parametrize("recipe", ["wanda_50", "whisper_2of4_w4a16"])
+def test_unstructured_and_4_bit_recipes_keep_the_dense_layout(tmp_path, recipe):
     out = tmp_path / "ckpt"
-    assert whisper_prune([*FAST, "--recipe", "wanda_50", "--output-dir", str(out)]) == 0
+    assert whisper_prune([*FAST, "--recipe", recipe, "--output-dir", str(out)]) == 0
     assert json.loads((out / REPORT_FILE).read_text())["layout"] == "dense"
-    assert not (check_checkpoint(out).get("quantization_config") or {}).get("quant_method")
+    quantization = check_checkpoint(out).get("quantization_config") or {}
+    assert quantization.get("quant_method") != QUANT_METHOD

@@ -13,6 +13,7 @@ checkpoint; ``load_checkpoint`` loads one in transformers with its weights dequa
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -188,43 +189,29 @@ def is_unfinished_output(directory: str | Path) -> bool:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
     """``check_checkpoint``, then load it with transformers, quantized weights dequantized
     to ``dtype`` (``run_compressed=False``: a packed W4A16 module otherwise stays packed and
-    has no ``weight``) and compressed 2:4 weights decompressed (our format through the
-    quantizer ``import whisper_modifiers`` registers; the legacy declaration here)."""
+    has no ``weight``) and compressed 2:4 weights decompressed.
+
+    A compressed 2:4 checkpoint of ours without quantization loads through the quantizer
+    ``import whisper_modifiers`` registered with transformers. A quantized one (W8A8, FP8)
+    or a legacy ``sparse-24-bitmask`` one is first rewritten in the dense layout in a
+    temporary directory (``sparse_serving.checkpoint.write_dense_layout``) and loaded from
+    there, so a quantized chain runs compressed-tensors' quantized forward (activation
+    quantization included) exactly as its dense layout would.
+    """
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from whisper_modifiers.sparse_serving.checkpoint import read_dense_state_dict
+    from whisper_modifiers.sparse_serving.checkpoint import write_dense_layout
     from whisper_modifiers.sparse_serving.format import QUANT_METHOD
 
     config = check_checkpoint(directory)
     quantization = config.get("quantization_config") or {}
-    if is_sparse24_checkpoint(config) and quantization.get("quant_method") != QUANT_METHOD:
-        # the legacy declaration ("compressed-tensors"), which transformers would route to
-        # compressed-tensors' quantizer: read the same tensors ourselves
-        return _load_sparse24(directory, dtype, read_dense_state_dict(directory))
+    if is_sparse24_checkpoint(config) and (
+        quantization.get("quant_method") != QUANT_METHOD or quantization.get("quantization_config")
+    ):
+        with tempfile.TemporaryDirectory() as tmp:
+            return load_checkpoint(write_dense_layout(directory, Path(tmp) / "dense"), dtype)
     kwargs = {}
     if quantization.get("quant_method") == "compressed-tensors":
         kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
-
-
-def _load_sparse24(directory, dtype: torch.dtype, state: dict[str, torch.Tensor]):
-    """The model of ``config.json`` with ``state`` (dense tensors) loaded into it: a legacy
-    ``sparse-24-bitmask`` checkpoint, which transformers routes to compressed-tensors."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_config = AutoConfig.from_pretrained(directory)
-    del hf_config.quantization_config  # the weights below are already dense
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
-        name for name, _ in model.named_parameters()
-    }
-    if unexpected or set(missing) - tied:
-        raise ValueError(
-            f"{directory}: weights do not match the model: missing "
-            f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
-    return model.eval()

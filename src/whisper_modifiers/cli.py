@@ -176,26 +176,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="how 2:4 weights are stored: 'compressed' (half the values plus a 4-bit-per-"
         "group bitmask, served by this package's vLLM plugin), 'dense' (zeros stored, "
-        "any loader), 'auto' (default: compressed for an unquantized 2:4 recipe, else dense)",
+        "any loader), 'auto' (default: compressed for a 2:4 recipe that is unquantized or "
+        "quantized to 8 bits, else dense)",
     )
     return parser.parse_args(argv)
 
 
 def storage_layout(layout: str, modifiers: list) -> str:
-    """``--layout`` resolved: ``compressed`` needs a 2:4 recipe without quantization."""
+    """``--layout`` resolved: ``compressed`` needs a 2:4 recipe, unquantized or quantized
+    to one 8-bit value per weight (W8A8, FP8); 4-bit packed weights keep the dense layout."""
     from llmcompressor.modifiers.quantization.quantization.mixin import QuantizationMixin
 
     two_four = any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
-    quantized = any(isinstance(m, QuantizationMixin) for m in modifiers)
+    quantizers = [m for m in modifiers if isinstance(m, QuantizationMixin)]
+    packed = any(
+        group.weights is not None and group.weights.num_bits != 8
+        for m in quantizers
+        for group in m.resolved_config.config_groups.values()
+    )
     if layout == "auto":
-        return "compressed" if two_four and not quantized else "dense"
-    if layout == "compressed" and (quantized or not two_four):
+        return "compressed" if two_four and not packed else "dense"
+    if layout == "compressed" and (packed or not two_four):
         raise UsageError(
-            "--layout compressed stores unquantized 2:4 weights: the recipe "
+            "--layout compressed stores 2:4 weights unquantized or as 8-bit values: the "
             + (
-                "also quantizes (its chains keep compressed-tensors' layout)"
-                if quantized
-                else "has no mask_structure '2:4' modifier"
+                "recipe packs weights to fewer bits (W4A16 keeps compressed-tensors' layout)"
+                if packed
+                else "recipe has no mask_structure '2:4' modifier"
             )  # fmt: skip
         )
     return layout
@@ -373,7 +380,10 @@ def run(args: argparse.Namespace) -> dict:
     with partial_output(output_dir) as partial:  # never a half-written checkpoint
         model.save_pretrained(partial, save_compressed=True)
         if layout == "compressed":
-            report["compressed_2of4"] = write_sparse24(partial, two_four)
+            try:
+                report["compressed_2of4"] = write_sparse24(partial, two_four)
+            except ValueError as error:
+                raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error
         tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(json.dumps(report, indent=2))
         write_record(partial, record)

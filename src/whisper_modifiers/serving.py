@@ -32,6 +32,7 @@ from pathlib import Path
 
 from whisper_modifiers.checkpoint import check_checkpoint
 from whisper_modifiers.models import cache_dir
+from whisper_modifiers.sparse_serving.format import QUANT_METHOD
 
 __all__ = [
     "SERVING_PYTHON_ENV",
@@ -101,6 +102,10 @@ def quantized_layers(checkpoint: str | Path) -> list[tuple[str, int, int]]:
                 base = name[: -len(".weight_scale")]
                 if f"{base}.weight_shape" in names:  # packed: the real shape is stored
                     out_features, in_features = tensors.get_tensor(f"{base}.weight_shape").tolist()
+                elif f"{base}.shape" in names:  # compressed 2:4 (sparse_serving)
+                    out_features, in_features = (
+                        tensors.get_tensor(f"{base}.shape").reshape(-1).tolist()
+                    )
                 elif f"{base}.weight" in names:
                     out_features, in_features = tensors.get_slice(f"{base}.weight").get_shape()
                 else:
@@ -115,7 +120,7 @@ def _probe_request(checkpoint: Path, config: dict, candidates: list[str]) -> dic
         shapes.setdefault((out_features, in_features), name)
     return {
         "model": str(checkpoint.resolve()),
-        "quantization_config": config["quantization_config"],
+        "quantization_config": _scheme_config(config),
         "layers": [[name, *shape] for shape, name in sorted(shapes.items())],
         "probe_dtypes": candidates,
     }
@@ -131,8 +136,7 @@ def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> s
     weight-only kernels have no float32 version anywhere), so it is measured, once per
     serving environment, CPU and scheme, and cached."""
     config = check_checkpoint(checkpoint)
-    quantization = config.get("quantization_config") or {}
-    if not on_cpu() or not quantization.get("config_groups"):
+    if not on_cpu() or not _scheme_config(config).get("config_groups"):
         return "auto"
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     candidates = list(dict.fromkeys([dtype, "bfloat16", "float16"]))
@@ -160,6 +164,15 @@ def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> s
         partial.write_text(json.dumps(known, indent=1))
         os.replace(partial, cache)
     return "auto" if known[key] == dtype else known[key]
+
+
+def _scheme_config(config: dict) -> dict:
+    """The compressed-tensors quantization config whose kernels serve the checkpoint (for a
+    compressed 2:4 chain, the one nested in its ``quantization_config``)."""
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") == QUANT_METHOD:
+        return quantization.get("quantization_config") or {}
+    return quantization
 
 
 def _cpu_flags() -> str:

@@ -38,7 +38,9 @@ def probe_dtypes(request: dict) -> dict:
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
     )
+    from vllm.plugins import load_general_plugins
 
+    load_general_plugins()  # as the engine does: ModelConfig must know plugin methods
     config = CompressedTensorsConfig.from_config(request["quantization_config"])
     accepted, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig()):

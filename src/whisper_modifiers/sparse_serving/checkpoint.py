@@ -6,6 +6,10 @@
                             "format": "sparse-24-bitmask", "sparsity_structure": "2:4",
                             "targets": [names of the compressed Linear modules]}
 
+and, for a chain quantized to one int8/float8 value per weight (W8A8, FP8_DYNAMIC), the
+original compressed-tensors ``quantization_config`` nested in it: the compressed values
+are then the quantized ones, the scales are stored as before.
+
 transformers and vLLM know this method only through this package (``checkpoint.
 load_checkpoint`` and the vLLM plugin); stock vLLM refuses it as an unknown method,
 naming it, rather than loading a wrong model.
@@ -22,9 +26,18 @@ from safetensors.torch import save_file
 
 from whisper_modifiers.sparse_serving.format import QUANT_METHOD, compress_24, decompress_24
 
-__all__ = ["is_sparse24_checkpoint", "read_dense_state_dict", "write_sparse24"]
+__all__ = [
+    "QUANTIZED_FORMATS",
+    "dequantize",
+    "is_sparse24_checkpoint",
+    "write_dense_layout",
+    "write_sparse24",
+]
 
 _PARTS = ("compressed", "bitmask", "shape")
+_REWRITTEN = ("config.json", "model.safetensors.index.json")
+# compressed-tensors formats storing one quantized value per weight (W8A8, FP8_DYNAMIC)
+QUANTIZED_FORMATS = ("int-quantized", "float-quantized")
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -42,10 +55,12 @@ def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
     directory = Path(directory)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    if config.get("quantization_config"):
+    quantization = config.get("quantization_config")
+    if quantization and quantization.get("format") not in QUANTIZED_FORMATS:
         raise ValueError(
-            f"{directory} is already quantized ({config['quantization_config'].get('format')}); "
-            "the compressed 2:4 format holds unquantized weights only"
+            f"{directory} is quantized in compressed-tensors' {quantization.get('format')!r} "
+            f"format; the compressed 2:4 format holds unquantized weights or the "
+            f"{' / '.join(QUANTIZED_FORMATS)} ones (one value per weight)"
         )
     wanted = {f"{name}.weight": name for name in targets}
     files, found, sizes = {}, set(), {"dense_bytes": 0, "compressed_bytes": 0}
@@ -55,6 +70,12 @@ def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
             metadata = handle.metadata()
             for key in handle.keys():
                 tensor = handle.get_tensor(key)
+                base = key[: -len(".weight_scale")]
+                if key.endswith(".weight_scale") and f"{base}.weight" not in wanted:
+                    raise ValueError(
+                        f"{base} is quantized but not a 2:4 target: every quantized layer of "
+                        "a compressed 2:4 checkpoint must be compressed"
+                    )
                 if key not in wanted:
                     tensors[key] = tensor
                     continue
@@ -89,6 +110,8 @@ def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
         "sparsity_structure": "2:4",
         "targets": sorted(targets),
     }
+    if quantization:  # the compressed values are the quantized ones; scales as before
+        config["quantization_config"]["quantization_config"] = quantization
     config_path.write_text(json.dumps(config, indent=2))
     return sizes
 
@@ -106,14 +129,46 @@ def is_sparse24_checkpoint(config: dict) -> bool:
     )
 
 
-def read_dense_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, 2:4 layers decompressed to ``NAME.weight``."""
-    state = {}
-    for path in _weight_files(Path(directory)):
+def write_dense_layout(source: str | Path, target: str | Path) -> Path:
+    """A copy of the compressed checkpoint ``source`` in the dense layout, in ``target``:
+    2:4 weights decompressed to ``NAME.weight`` (quantized values stay quantized, scales
+    as they are), ``config.json``'s quantization config the nested compressed-tensors one
+    (or none). Other files are linked. What compressed-tensors and transformers load
+    natively, activation quantization included."""
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    files = _weight_files(source)
+    for path in source.iterdir():
+        if path.is_file() and path not in files and path.name not in _REWRITTEN:
+            (target / path.name).symlink_to(path.resolve())
+    weight_map = {}
+    for path in files:
         with safe_open(path, "pt") as handle:
-            state.update({key: handle.get_tensor(key) for key in handle.keys()})
-    for key in [k for k in state if k.endswith(".compressed")]:
-        name = key[: -len(".compressed")]
-        shape = state.pop(f"{name}.shape").reshape(-1).tolist()
-        state[f"{name}.weight"] = decompress_24(state.pop(key), state.pop(f"{name}.bitmask"), shape)
-    return state
+            metadata = handle.metadata()
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        for key in [k for k in tensors if k.endswith(".compressed")]:
+            name = key[: -len(".compressed")]
+            shape = tensors.pop(f"{name}.shape").reshape(-1).tolist()
+            tensors[f"{name}.weight"] = decompress_24(
+                tensors.pop(key), tensors.pop(f"{name}.bitmask"), shape
+            )
+        save_file(tensors, target / path.name, metadata=metadata or {"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, path.name))
+    index = source / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = weight_map
+        (target / index.name).write_text(json.dumps(data, indent=2))
+    config = json.loads((source / "config.json").read_text())
+    quantization = config.pop("quantization_config", None) or {}
+    if quantization.get("quantization_config"):
+        config["quantization_config"] = quantization["quantization_config"]
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A symmetric int8/float8 weight times its per-channel or per-tensor scale
+    (compressed-tensors' ``(q - 0) * scale`` in the scale's dtype); ``weight`` itself
+    when ``scale`` is None."""
+    return weight if scale is None else weight.to(scale.dtype) * scale

@@ -25,6 +25,7 @@ __all__ = [
     "check_two_four",
     "compress_24",
     "decompress_24",
+    "nonzero",
     "pack_bits",
     "unpack_bits",
 ]
@@ -41,6 +42,13 @@ class NotTwoFourError(ValueError):
     """A tensor that is not exactly 2:4 (or cannot be split into groups of four)."""
 
 
+def nonzero(weight: torch.Tensor) -> torch.Tensor:
+    """``weight != 0``, for float8 too (compared on its bytes, ``-0.0`` counting as 0)."""
+    if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return (weight.view(torch.uint8) & 0x7F) != 0
+    return weight != 0
+
+
 def check_two_four(weight: torch.Tensor, name: str) -> None:
     """Raise ``NotTwoFourError`` naming ``name`` unless every group of four consecutive
     inputs of every row of ``weight`` has at least two zeros."""
@@ -49,7 +57,7 @@ def check_two_four(weight: torch.Tensor, name: str) -> None:
             f"{name}: shape {tuple(weight.shape)} has no groups of four inputs (2:4 needs a "
             "2-D weight whose input size is a multiple of 4)"
         )
-    nonzeros = (weight != 0).reshape(weight.shape[0], -1, 4).sum(-1)
+    nonzeros = nonzero(weight).reshape(weight.shape[0], -1, 4).sum(-1)
     if (nonzeros > 2).any():
         rows, groups = (nonzeros > 2).nonzero(as_tuple=True)
         raise NotTwoFourError(
@@ -74,10 +82,11 @@ def unpack_bits(packed: torch.Tensor, columns: int) -> torch.Tensor:
 
 
 def compress_24(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(compressed, bitmask)`` of an exactly 2:4 ``weight`` (``check_two_four`` first)."""
+    """``(compressed, bitmask)`` of an exactly 2:4 ``weight`` (``check_two_four`` first),
+    in any dtype (float, int8, float8: the kept values are copied bit for bit)."""
     check_two_four(weight, name)
     rows, columns = weight.shape
-    groups = (weight != 0).reshape(rows, -1, 4)
+    groups = nonzero(weight).reshape(rows, -1, 4)
     # two marks per group: nonzeros first, then the first zeros (a stable sort of ~mask)
     order = torch.sort((~groups).to(torch.int8), dim=-1, stable=True).indices[..., :2]
     mask = torch.zeros_like(groups).scatter_(-1, order, True).reshape(rows, columns)

@@ -5,14 +5,17 @@
 through transformers' own registry (``register_quantization_config``,
 ``register_quantizer``). The quantizer changes no module: its weight conversion turns the
 three checkpoint tensors of a 2:4 Linear (``compressed``, ``bitmask``, ``shape``) into the
-dense ``weight`` while transformers loads them (``format.decompress_24``). The loaded
-model is an ordinary dense model; ``save_pretrained`` on it writes the dense layout.
+dense ``weight`` while transformers loads them (``format.decompress_24``), multiplied by
+its ``weight_scale`` in a W8A8 / FP8 chain. The loaded model is an ordinary dense model
+(a quantized chain's activations are not fake-quantized: ``checkpoint.load_checkpoint``
+gives compressed-tensors' quantized forward); ``save_pretrained`` writes the dense layout.
 """
 
 from __future__ import annotations
 
 import torch
 
+from whisper_modifiers.sparse_serving.checkpoint import dequantize
 from whisper_modifiers.sparse_serving.format import QUANT_METHOD, decompress_24
 
 __all__ = ["register"]
@@ -35,8 +38,9 @@ def register() -> None:
         """``config.json``'s ``quantization_config`` of a compressed 2:4 checkpoint."""
 
         def __init__(self, targets=None, format="sparse-24-bitmask", sparsity_structure="2:4",
-                     **kwargs):  # fmt: skip
+                     quantization_config=None, **kwargs):  # fmt: skip
             self.quant_method = QUANT_METHOD
+            self.quantization_config = quantization_config  # of a W8A8 / FP8 chain
             self.targets = list(targets or [])
             self.format = format
             self.sparsity_structure = sparsity_structure
@@ -45,7 +49,8 @@ def register() -> None:
             self.dequantize = True
 
     class Sparse24Decompress(ConversionOps):
-        """``compressed``, ``bitmask``, ``shape`` -> the dense ``weight``."""
+        """``compressed``, ``bitmask``, ``shape`` (and ``weight_scale`` of a quantized
+        chain) -> the dense, dequantized ``weight``."""
 
         def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
             def first(key):
@@ -53,7 +58,8 @@ def register() -> None:
                 return value[0] if isinstance(value, list) else value
 
             shape = first("shape").reshape(-1).tolist()
-            dense = decompress_24(first("compressed"), first("bitmask"), shape)
+            scale = first("weight_scale") if input_dict.get("weight_scale") else None
+            dense = dequantize(decompress_24(first("compressed"), first("bitmask"), shape), scale)
             if model is not None and full_layer_name is not None:
                 module, name = get_module_from_name(model, full_layer_name)
                 target = getattr(module, name, None)
@@ -92,7 +98,7 @@ def register() -> None:
         def get_weight_conversions(self):
             return [
                 WeightConverter(
-                    source_patterns=["compressed", "bitmask", "shape"],
+                    source_patterns=["compressed", "bitmask", "shape", "weight_scale"],
                     target_patterns="weight",
                     operations=[Sparse24Decompress()],
                 )

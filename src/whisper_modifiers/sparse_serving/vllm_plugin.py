@@ -13,9 +13,11 @@ tensor-parallel shards load as the dense weight would: rows are outputs, so outp
 shards are row ranges; an input (row-parallel) shard must hold whole bytes of the bitmask
 (a multiple of 8 inputs), else loading stops with an error naming the layer. After
 loading, ``process_weights_after_loading`` decompresses to the dense weight and hands it
-to vLLM's unquantized path (``UnquantizedLinearMethod``): on CPU, and for now on GPUs too:
-the kernel entry point (``sparse24_dense_weight``) has no 2:4 tensor-core GEMM behind it
-yet, so sm80+ GPUs also get the dense weight.
+to vLLM's unquantized path (``UnquantizedLinearMethod``) or, in a W8A8 / FP8 chain (whose
+compressed-tensors config is nested in ours), to compressed-tensors' scheme for the layer
+with its int8 / float8 kernels (``QuantizedSparse24LinearMethod``). This happens on CPU,
+and for now on GPUs too: the kernel entry point (``sparse24_dense_weight``) has no 2:4
+tensor-core GEMM behind it yet, so sm80+ GPUs also get the dense weight.
 
 Imports only torch and vLLM (and this subpackage).
 """
@@ -47,7 +49,11 @@ def register() -> None:
 
 
 def _config_class():
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        LinearMethodBase,
+        UnquantizedLinearMethod,
+    )
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
     class Sparse24LinearMethod(UnquantizedLinearMethod):
@@ -60,39 +66,52 @@ def _config_class():
         def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                            input_size, output_size, params_dtype,
                            **extra_weight_attrs):  # fmt: skip
-            if input_size_per_partition % 8:
-                raise ValueError(
-                    f"{self.name}: its tensor-parallel shard holds {input_size_per_partition} "
-                    f"of {input_size} inputs, which splits groups of four (or bitmask bytes) "
-                    "of the compressed 2:4 weight; use a tensor-parallel size that divides "
-                    "the input size into multiples of 8"
-                )
             weight_loader = extra_weight_attrs.pop("weight_loader")
-            rows = sum(output_partition_sizes)
-            for name, columns, dtype in (
-                ("compressed", input_size_per_partition // 2, params_dtype),
-                ("bitmask", input_size_per_partition // 8, torch.uint8),
-            ):
-                parameter = torch.nn.Parameter(
-                    torch.empty(rows, columns, dtype=dtype), requires_grad=False
-                )
-                layer.register_parameter(name, parameter)
-                parameter.output_dim, parameter.input_dim = 0, 1
-                parameter.weight_loader = weight_loader
-                for key, value in extra_weight_attrs.items():
-                    setattr(parameter, key, value)
-            shape = torch.nn.Parameter(torch.empty(2, 1, dtype=torch.int64), requires_grad=False)
-            shape.weight_loader = lambda *args, **kwargs: None  # known from the layer
-            layer.register_parameter("shape", shape)
-            layer.sparse24_dense_shape = (rows, input_size_per_partition)
-            layer.sparse24_dtype = params_dtype
+            _register_compressed(layer, self.name, input_size_per_partition, input_size,
+                                 sum(output_partition_sizes), params_dtype, weight_loader,
+                                 extra_weight_attrs)  # fmt: skip
 
         def process_weights_after_loading(self, layer) -> None:
-            weight = sparse24_dense_weight(layer)
-            for name in ("compressed", "bitmask", "shape"):
-                delattr(layer, name)
+            weight = _take_dense_weight(layer)
             layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
             super().process_weights_after_loading(layer)
+
+    class QuantizedSparse24LinearMethod(LinearMethodBase):
+        """A W8A8 / FP8 chain's 2:4 layer: compressed-tensors' scheme for this layer
+        (``inner``, vLLM's own kernels), with its quantized weight loaded compressed and
+        decompressed before the scheme processes it."""
+
+        def __init__(self, name: str, inner):
+            self.name = name
+            self.inner = inner
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                           input_size, output_size, params_dtype,
+                           **extra_weight_attrs):  # fmt: skip
+            self.inner.create_weights(layer, input_size_per_partition, output_partition_sizes,
+                                      input_size, output_size, params_dtype,
+                                      **extra_weight_attrs)  # fmt: skip
+            quantized = layer.weight  # the scheme's [out, in] int8 / float8 parameter
+            del layer.weight
+            layer.sparse24_weight_class = type(quantized)
+            extra = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
+            _register_compressed(layer, self.name, input_size_per_partition, input_size,
+                                 sum(output_partition_sizes), quantized.dtype,
+                                 extra_weight_attrs["weight_loader"], extra)  # fmt: skip
+
+        def process_weights_after_loading(self, layer) -> None:
+            weight = _take_dense_weight(layer)
+            try:  # vLLM's parameter class for it, as the scheme created it
+                parameter = layer.sparse24_weight_class(
+                    data=weight, input_dim=1, output_dim=0, weight_loader=lambda *a: None
+                )
+            except TypeError:
+                parameter = torch.nn.Parameter(weight, requires_grad=False)
+            layer.register_parameter("weight", parameter)
+            self.inner.process_weights_after_loading(layer)
+
+        def apply(self, layer, x, bias=None):
+            return self.inner.apply(layer, x, bias)
 
     class Sparse24Config(QuantizationConfig):
         """Compressed 2:4 Linear weights (``targets``; ``Linear`` for every one but
@@ -100,10 +119,11 @@ def _config_class():
 
         linear_method = Sparse24LinearMethod
 
-        def __init__(self, targets: list[str], ignore: list[str]):
+        def __init__(self, targets: list[str], ignore: list[str], quantization=None):
             super().__init__()
             self.targets = targets
             self.ignore = ignore
+            self.quantization = quantization  # compressed-tensors' config of a W8A8 / FP8 chain
 
         @classmethod
         def get_name(cls) -> str:
@@ -123,8 +143,17 @@ def _config_class():
 
         @classmethod
         def from_config(cls, config: dict[str, Any]) -> Sparse24Config:
+            from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E501
+                CompressedTensorsConfig,
+            )
+
             sparsity = config.get("sparsity_config") or config
-            return cls(list(sparsity.get("targets") or []), list(sparsity.get("ignore") or []))
+            nested = config.get("quantization_config")
+            return cls(
+                list(sparsity.get("targets") or []),
+                list(sparsity.get("ignore") or []),
+                CompressedTensorsConfig.from_config(nested) if nested else None,
+            )
 
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg, user_quant, **kwargs):
@@ -152,7 +181,16 @@ def _config_class():
                     f"{prefix} fuses {', '.join(parts)}, of which only some are compressed "
                     "2:4; vLLM loads them as one layer, so all or none must be"
                 )
-            return Sparse24LinearMethod(prefix) if chosen.pop() else UnquantizedLinearMethod()
+            compressed = chosen.pop()
+            inner = UnquantizedLinearMethod()
+            if self.quantization is not None:  # the chain's scheme for this layer
+                self.quantization.packed_modules_mapping = self.packed_modules_mapping
+                inner = self.quantization.get_quant_method(layer, prefix) or inner
+            if not compressed:
+                return inner
+            if isinstance(inner, UnquantizedLinearMethod):
+                return Sparse24LinearMethod(prefix)
+            return QuantizedSparse24LinearMethod(prefix, inner)
 
     return Sparse24Config
 
@@ -174,9 +212,44 @@ def _fused_parts(prefix: str, mapping: dict[str, list[str]]) -> list[str]:
     return [prefix]
 
 
+def _register_compressed(layer, name, input_size_per_partition, input_size, rows, dtype,
+                         weight_loader, extra_weight_attrs) -> None:  # fmt: skip
+    """``compressed`` / ``bitmask`` / ``shape`` parameters on ``layer``, loaded by vLLM's
+    own (v1) loader of the layer: rows are outputs, so merged and column shards are row
+    ranges, and a row-parallel shard narrows the columns (whole groups and bytes only)."""
+    if input_size_per_partition % 8:
+        raise ValueError(
+            f"{name}: its tensor-parallel shard holds {input_size_per_partition} of "
+            f"{input_size} inputs, which splits groups of four (or bitmask bytes) of the "
+            "compressed 2:4 weight; use a tensor-parallel size that divides the input size "
+            "into multiples of 8"
+        )
+    for part, columns, part_dtype in (
+        ("compressed", input_size_per_partition // 2, dtype),
+        ("bitmask", input_size_per_partition // 8, torch.uint8),
+    ):
+        parameter = torch.nn.Parameter(torch.empty(rows, columns, dtype=part_dtype),
+                                       requires_grad=False)  # fmt: skip
+        layer.register_parameter(part, parameter)
+        parameter.output_dim, parameter.input_dim = 0, 1
+        parameter.weight_loader = weight_loader
+        for key, value in extra_weight_attrs.items():
+            setattr(parameter, key, value)
+    shape = torch.nn.Parameter(torch.empty(2, 1, dtype=torch.int64), requires_grad=False)
+    shape.weight_loader = lambda *args, **kwargs: None  # known from the layer
+    layer.register_parameter("shape", shape)
+    layer.sparse24_dense_shape = (rows, input_size_per_partition)
+
+
+def _take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
+    weight = sparse24_dense_weight(layer)
+    for part in ("compressed", "bitmask", "shape"):
+        delattr(layer, part)
+    return weight
+
+
 def sparse24_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """The kernel entry point for a loaded 2:4 layer: today the dense weight, everywhere.
-    (A 2:4 tensor-core GEMM would keep ``compressed``/``bitmask`` instead on sm80+.)"""
-    return decompress_24(layer.compressed.data, layer.bitmask.data, layer.sparse24_dense_shape).to(
-        layer.sparse24_dtype
-    )
+    """The kernel entry point for a loaded 2:4 layer: today the dense weight (in the dtype
+    it was stored in), everywhere. (A 2:4 tensor-core GEMM would keep ``compressed`` /
+    ``bitmask`` instead on sm80+.)"""
+    return decompress_24(layer.compressed.data, layer.bitmask.data, layer.sparse24_dense_shape)
