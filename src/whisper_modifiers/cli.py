@@ -29,6 +29,7 @@ from whisper_modifiers.checkpoint import REPORT_FILE
 from whisper_modifiers.output_dir import terminate_as_exception
 from whisper_modifiers.preflight import (
     UsageError,
+    calibration_sequences,
     check_minimum,
     check_positions,
     meta_model,
@@ -271,12 +272,11 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from whisper_modifiers.checkpoint import check_checkpoint, sparsity_record, write_record
-    from whisper_modifiers.data import calibration_dataset, load_corpus
+    from whisper_modifiers.data import load_corpus, sequence_dataset
     from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
     from whisper_modifiers.methods import run_oneshot
     from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
     from whisper_modifiers.output_dir import partial_output
-    from whisper_modifiers.sparse_serving import NotTwoFourError, check_two_four
     from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
 
     calibration_text = read_text(
@@ -287,12 +287,8 @@ def run(args: argparse.Namespace) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except (OSError, ValueError, TypeError) as error:
         raise UsageError(f"--model {model_id}: its tokenizer cannot be loaded: {error}") from error
-    calibration_tokens = len(tokenizer(calibration_text, add_special_tokens=False)["input_ids"])
-    if calibration_tokens < args.seq_len + 1:
-        raise UsageError(
-            f"--calibration {args.calibration!r} has {calibration_tokens} tokens; --seq-len "
-            f"{args.seq_len} needs at least {args.seq_len + 1}"
-        )
+    sequences = calibration_sequences(tokenizer, calibration_text, args.calibration,
+                                      args.num_sequences, args.seq_len, args.seed)  # fmt: skip
     eval_ids = tokenizer(eval_text, add_special_tokens=False)["input_ids"]
     bos = tokenizer.bos_token_id if args.eval_bos else None
     windows = args.eval_windows or None
@@ -317,9 +313,7 @@ def run(args: argparse.Namespace) -> dict:
         check_finite_weights(model)
     except NonFiniteError as error:
         raise UsageError(f"--model {model_id}: {error}") from error
-    calibration = calibration_dataset(
-        tokenizer, calibration_text, args.num_sequences, args.seq_len, seed=args.seed
-    )
+    calibration = sequence_dataset(sequences)
 
     def evaluate() -> float:
         model.eval()
@@ -371,16 +365,10 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError(f"{error} (it changed while this run was pruning)") from error
     report["layout"] = layout
     two_four = two_four_layers(model, modifiers)
-    if layout == "compressed":
-        try:
-            for name in two_four:
-                check_two_four(model.get_submodule(name).weight, name)
-        except NotTwoFourError as error:
-            raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error
     with partial_output(output_dir) as partial:  # never a half-written checkpoint
         model.save_pretrained(partial, save_compressed=True)
         if layout == "compressed":
-            try:
+            try:  # checks every layer is exactly 2:4 before it writes anything
                 report["compressed_2of4"] = write_sparse24(partial, two_four)
             except ValueError as error:
                 raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error

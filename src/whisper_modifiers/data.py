@@ -19,6 +19,7 @@ __all__ = [
     "embedded_text",
     "load_corpus",
     "sample_sequences",
+    "sequence_dataset",
 ]
 
 CORPORA = ("embedded", "wikitext2", "c4")
@@ -88,7 +89,8 @@ def sample_sequences(
         )
     if token_ids.numel() < seq_len + 1:
         raise ValueError(
-            f"corpus has {token_ids.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+            f"corpus has {token_ids.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1} "
+            f"(a window of {seq_len} tokens needs at least {seq_len + 1})"
         )
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, token_ids.numel() - seq_len, (num_sequences,), generator=generator)
@@ -104,7 +106,11 @@ def calibration_dataset(
     order, and hence every seeded pair permutation, is reproducible.
     """
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    sequences = sample_sequences(ids, num_sequences, seq_len, seed)
+    return sequence_dataset(sample_sequences(ids, num_sequences, seq_len, seed))
+
+
+def sequence_dataset(sequences: list[list[int]]) -> Dataset:
+    """``sequences`` (from ``sample_sequences``) as ``calibration_dataset``'s rows."""
     return Dataset.from_dict(
-        {"input_ids": sequences, "attention_mask": [[1] * seq_len for _ in sequences]}
+        {"input_ids": sequences, "attention_mask": [[1] * len(s) for s in sequences]}
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from whisper_modifiers.preflight import (
     UsageError,
+    calibration_sequences,
     check_minimum,
     linear_names,
     meta_model,
@@ -81,7 +82,7 @@ def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from whisper_modifiers import diagnostics as d
-    from whisper_modifiers.data import load_corpus, sample_sequences
+    from whisper_modifiers.data import load_corpus
     from whisper_modifiers.models import resolve_model
     from whisper_modifiers.statistics import mapping_difficulty
 
@@ -92,15 +93,10 @@ def run(args) -> dict:
     name = resolve_module(model_config(model_id), args.module)
     text = read_text("--calibration", args.calibration, lambda s: load_corpus(s, "train"))
     tokenizer = AutoTokenizer.from_pretrained(model_id)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < args.seq_len + 1:
-        raise UsageError(
-            f"--calibration {args.calibration!r} has {len(ids)} tokens; --seq-len "
-            f"{args.seq_len} needs at least {args.seq_len + 1}"
-        )
+    sequences = calibration_sequences(tokenizer, text, args.calibration, args.num_sequences,
+                                      args.seq_len, args.seed)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32).eval()
     module = model.get_submodule(name)
-    sequences = sample_sequences(ids, args.num_sequences, args.seq_len, args.seed)
     inputs = d.capture_inputs(model, name, sequences)
     pairs = d.sequence_pairs(inputs, args.seed, name)
     weight = module.weight.detach().float()

@@ -19,6 +19,7 @@ from whisper_modifiers.checkpoint import read_config
 
 __all__ = [
     "UsageError",
+    "calibration_sequences",
     "check_minimum",
     "check_positions",
     "linear_names",
@@ -93,6 +94,19 @@ def read_text(flag: str, source: str, reader) -> str:
     if not isinstance(text, str) or not text.strip():
         raise UsageError(f"{flag} {source!r} holds no text")
     return text
+
+
+def calibration_sequences(tokenizer, text: str, source: str, num_sequences: int, seq_len: int,
+                          seed: int) -> list[list[int]]:  # fmt: skip
+    """``data.sample_sequences`` of the tokenized ``--calibration`` text (tokenized once,
+    before the weights load); a text too short for one window names the flag."""
+    from whisper_modifiers.data import sample_sequences
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    try:
+        return sample_sequences(ids, num_sequences, seq_len, seed)
+    except ValueError as error:
+        raise UsageError(f"--calibration {source!r} (--seq-len {seq_len}): {error}") from error
 
 
 def meta_model(config) -> torch.nn.Module:

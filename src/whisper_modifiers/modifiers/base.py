@@ -86,11 +86,9 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         return self
 
     def on_initialize(self, state: State, **kwargs) -> bool:
-        from llmcompressor.core import active_session
-
         from whisper_modifiers.modifiers.masked_gptq import check_mask_kept
 
-        check_mask_kept(active_session().lifecycle.recipe.modifiers)
+        check_mask_kept()  # this session's recipe
         return super().on_initialize(state, **kwargs)
 
     # -- routing ---------------------------------------------------------------------

@@ -47,11 +47,9 @@ class OneShotMagnitudeModifier(SparsityValidation, Modifier):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
 
     def on_initialize(self, state: State, **kwargs) -> bool:
-        from llmcompressor.core import active_session
-
         from whisper_modifiers.modifiers.masked_gptq import check_mask_kept
 
-        check_mask_kept(active_session().lifecycle.recipe.modifiers)
+        check_mask_kept()  # this session's recipe
         n, m = parse_mask_structure(self.mask_structure)
         modules = [
             (name, module)

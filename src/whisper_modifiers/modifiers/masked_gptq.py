@@ -58,8 +58,14 @@ def _prunes(modifier: Modifier) -> bool:
     return isinstance(modifier, (SparsityModifierBase, OneShotMagnitudeModifier))
 
 
-def check_mask_kept(modifiers: list[Modifier]) -> None:
-    """Raise ``ValueError`` if a stock ``GPTQModifier`` comes after a pruning modifier."""
+def check_mask_kept(modifiers: list[Modifier] | None = None) -> None:
+    """Raise ``ValueError`` if a stock ``GPTQModifier`` comes after a pruning modifier in
+    ``modifiers`` (default: the recipe of llmcompressor's active session, as a pruning
+    modifier sees it in ``on_initialize``)."""
+    if modifiers is None:
+        from llmcompressor.core import active_session
+
+        modifiers = active_session().lifecycle.recipe.modifiers
     pruner = None
     for modifier in modifiers:
         if _prunes(modifier):
