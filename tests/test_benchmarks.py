@@ -64,3 +64,25 @@ def test_speed_benchmark_reports_centered_ratios(tmp_path):
     assert [r["method"] for r in rows] == ["wisp:pairing=centered", "whisper:pairing=centered"]
     assert all(r["time_ratio"] > 0 and r["memory_ratio"] > 0 for r in rows)
     assert "wisp:pairing=centered / wanda" in (tmp_path / "speed.md").read_text()
+
+
+def test_sparse_kernel_benchmark_without_cuda_says_so(capsys, tmp_path, monkeypatch):
+    import sparse_kernels
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sparse_kernels.main(["--out", str(tmp_path)]) == 0
+    assert "no CUDA device here" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_sparse_kernel_tables_and_plot_from_a_measured_payload(tmp_path):
+    import sparse_kernels
+
+    payload = json.loads((REPO / "benchmarks" / "results" / "sparse_kernels.json").read_text())
+    sparse_kernels.write_tables(tmp_path, payload)
+    table = (tmp_path / "sparse_kernels.md").read_text()
+    assert "| 7B | gate_up | (22016, 4096) |" in table
+    assert "| torch.compile | 8×4096 | 32768 |" in table and "vLLM" in table
+    assert (tmp_path / "sparse_kernels.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "sparse_kernels.json").read_text()) == payload

@@ -13,11 +13,13 @@ tensor-parallel shards load as the dense weight would: rows are outputs, so outp
 shards are row ranges; an input (row-parallel) shard must hold whole bytes of the bitmask
 (a multiple of 8 inputs), else loading stops with an error naming the layer. After
 loading, ``process_weights_after_loading`` decompresses to the dense weight and hands it
-to vLLM's unquantized path (``UnquantizedLinearMethod``) or, in a W8A8 / FP8 chain (whose
-compressed-tensors config is nested in ours), to compressed-tensors' scheme for the layer
-with its int8 / float8 kernels (``QuantizedSparse24LinearMethod``). This happens on CPU,
-and for now on GPUs too: the kernel entry point (``sparse24_dense_weight``) has no 2:4
-tensor-core GEMM behind it yet, so sm80+ GPUs also get the dense weight.
+to ``kernels.serving_kernel``: on sm80+ GPUs in 16-bit dtypes, cuSPARSELt's 2:4 GEMM with
+its measured dispatch to dense below the token counts where sparse loses
+(``$WHISPER_MODIFIERS_SPARSE24`` = auto / sparse / dense); elsewhere (CPU, float32) to
+vLLM's unquantized path (``UnquantizedLinearMethod``). In a W8A8 / FP8 chain (whose
+compressed-tensors config is nested in ours) the dense 8-bit weight goes to
+compressed-tensors' scheme for the layer with its int8 / float8 kernels
+(``QuantizedSparse24LinearMethod``); no 8-bit 2:4 kernel is used yet.
 
 Imports only torch and vLLM (and this subpackage).
 """
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from whisper_modifiers.sparse_serving.format import QUANT_METHOD, decompress_24
+from whisper_modifiers.sparse_serving.kernels import kernel_mode, serving_kernel
 
 __all__ = ["register", "sparse24_dense_weight"]
 
@@ -42,6 +45,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    kernel_mode()  # a bad $WHISPER_MODIFIERS_SPARSE24 stops vLLM before any weight loads
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     register_quantization_config(QUANT_METHOD)(_config_class())
@@ -73,8 +77,19 @@ def _config_class():
 
         def process_weights_after_loading(self, layer) -> None:
             weight = _take_dense_weight(layer)
-            layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
-            super().process_weights_after_loading(layer)
+            kernel = serving_kernel(weight)
+            if kernel is None or kernel.dense is not None:
+                layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+            if kernel is None:
+                super().process_weights_after_loading(layer)
+            else:
+                layer.sparse24_kernel = kernel
+
+        def apply(self, layer, x, bias=None):
+            kernel = getattr(layer, "sparse24_kernel", None)
+            if kernel is None:
+                return super().apply(layer, x, bias)
+            return kernel.linear(x, bias)
 
     class QuantizedSparse24LinearMethod(LinearMethodBase):
         """A W8A8 / FP8 chain's 2:4 layer: compressed-tensors' scheme for this layer
@@ -249,7 +264,6 @@ def _take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
 
 
 def sparse24_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """The kernel entry point for a loaded 2:4 layer: today the dense weight (in the dtype
-    it was stored in), everywhere. (A 2:4 tensor-core GEMM would keep ``compressed`` /
-    ``bitmask`` instead on sm80+.)"""
+    """A loaded 2:4 layer's dense weight (in the dtype it was stored in), from which
+    ``serving_kernel`` compresses cuSPARSELt's operand."""
     return decompress_24(layer.compressed.data, layer.bitmask.data, layer.sparse24_dense_shape)

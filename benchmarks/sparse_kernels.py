@@ -1,0 +1,467 @@
+"""2:4 sparse GEMMs against dense on one GPU, in one run (``sparse_serving.kernels``).
+
+    python benchmarks/sparse_kernels.py                       # all three sets
+    python benchmarks/sparse_kernels.py --layers 8 --skip-vllm
+
+1. Per shape: Llama 7B / 8B / 70B projection shapes (vLLM's fused qkv and gate_up, o,
+   down) × tokens 1…16384: dense ``F.linear`` against cuSPARSELt always sparse and against
+   ``Sparse24Linear`` with its measured dispatch.
+2. End to end: a Llama-7B-shaped ``LlamaForCausalLM`` (``--layers`` decoder layers,
+   random weights pruned 2:4 by magnitude, bf16, SDPA attention) at batch × sequence from
+   1×1 to 8×4096, one forward (logits of the last position, as a prefill computes): dense
+   against ``accelerate(model)`` (dispatch) and against always sparse.
+3. Where vLLM with a GPU is installed: offline-engine throughput (prefill-heavy and
+   decode-heavy) of the compressed 2:4 checkpoint against the dense one.
+
+Every time is the median of CUDA-graph replays (eager timing where a forward cannot be
+captured; the table says which). Ratios are dense time / other time: above 1 is faster.
+Writes ``sparse_kernels.md``, ``sparse_kernels.json`` and ``sparse_kernels.png`` to
+``--out``. On a machine without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, write_json  # noqa: E402
+
+SHAPES = {  # (out, in) of each projection as vLLM runs it (qkv and gate_up fused)
+    "7B": {
+        "qkv": (12288, 4096),
+        "o": (4096, 4096),
+        "gate_up": (22016, 4096),
+        "down": (4096, 11008),
+    },
+    "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "70B": {
+        "qkv": (10240, 8192),
+        "o": (8192, 8192),
+        "gate_up": (57344, 8192),
+        "down": (8192, 28672),
+    },
+}
+TOKENS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+FORWARDS = [
+    "1x1",
+    "8x1",
+    "64x1",
+    "1x128",
+    "1x512",
+    "1x2048",
+    "2x2048",
+    "1x4096",
+    "4x4096",
+    "8x4096",
+]
+
+
+def prune_24(weight):
+    """Magnitude 2:4 along the inputs."""
+    import torch
+
+    groups = weight.reshape(-1, 4)
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(1, groups.abs().topk(2, dim=1).indices, True)
+    return (groups * keep).reshape(weight.shape)
+
+
+def per_shape(models, tokens, dtype) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from whisper_modifiers.sparse_serving import kernels
+
+    rows = []
+    for model in models:
+        for name, (out_features, in_features) in SHAPES[model].items():
+            weight = prune_24(torch.randn(out_features, in_features, device="cuda", dtype=dtype))
+            dispatched = kernels.Sparse24Linear(weight)
+            always = kernels.Sparse24Linear(weight, keep_dense=False, plan=dispatched.plan)
+            for count in tokens:
+                x = torch.randn(count, in_features, device="cuda", dtype=dtype)
+                dense_ms = kernels._gpu_milliseconds(lambda: F.linear(x, weight))  # noqa: B023
+                sparse_ms = kernels._gpu_milliseconds(lambda: always(x))  # noqa: B023
+                dispatch_ms = kernels._gpu_milliseconds(lambda: dispatched(x))  # noqa: B023
+                rows.append(
+                    {
+                        "model": model,
+                        "projection": name,
+                        "shape": [out_features, in_features],
+                        "tokens": count,
+                        "dense_ms": dense_ms,
+                        "sparse_ms": sparse_ms,
+                        "dispatch_ms": dispatch_ms,
+                        "sparse_ratio": dense_ms / sparse_ms,
+                        "dispatch_ratio": dense_ms / dispatch_ms,
+                        "sparse_from": dispatched.plan.sparse_from,
+                    }
+                )
+                print(
+                    f"{model} {name:8s} {count:6d} tokens: dense {dense_ms:.4f} ms, "
+                    f"sparse {dense_ms / sparse_ms:.2f}x, dispatch {dense_ms / dispatch_ms:.2f}x",
+                    flush=True,
+                )
+            torch.cuda.empty_cache()
+    return rows
+
+
+def llama_7b_shaped(layers: int, dtype):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        num_hidden_layers=layers,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+        dtype=dtype,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.weight.copy_(prune_24(module.weight))
+    return model
+
+
+def time_forward(model, batch: int, sequence: int) -> tuple[float, str]:
+    import torch
+
+    from whisper_modifiers.sparse_serving import kernels
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, sequence), device="cuda")
+
+    def forward():
+        return model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+
+    with torch.no_grad():
+        try:
+            return kernels._gpu_milliseconds(forward, repeats=3, trials=5), "graph"
+        except Exception:  # a forward that cannot be captured is timed eagerly
+            torch.cuda.synchronize()
+            for _ in range(2):
+                forward()
+            times = []
+            for _ in range(5):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                forward()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            return sorted(times)[len(times) // 2], "eager"
+
+
+def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[dict]:
+    """Dense, dispatched and always-sparse forwards of one model, in ``transformers``'
+    eager modules or under ``torch.compile`` (which fuses the norms, rotary embedding and
+    activation as a serving engine's kernels do, leaving the GEMMs as they are)."""
+    import torch
+
+    from whisper_modifiers.sparse_serving import kernels
+
+    model = llama_7b_shaped(layers, dtype)
+    print(f"attention: {model.config._attn_implementation}", flush=True)
+    shapes = [tuple(int(v) for v in text.split("x")) for text in forwards]
+
+    def measure():
+        torch._dynamo.reset()
+        run = torch.compile(model, dynamic=True) if compiled else model
+        return {shape: time_forward(run, *shape) for shape in shapes}
+
+    dense = measure()
+    replaced = kernels.accelerate(model)
+    print(f"accelerated {len(replaced)} Linear layers", flush=True)
+    dispatched = measure()
+    for module in model.modules():
+        if isinstance(module, kernels.Sparse24Linear):
+            module.plan = kernels.DispatchPlan.always_sparse(module.plan)
+    always = measure()
+    rows = []
+    for shape in shapes:
+        (dense_ms, mode), (dispatch_ms, _) = dense[shape], dispatched[shape]
+        sparse_ms = always[shape][0]
+        rows.append(
+            {
+                "batch": shape[0],
+                "sequence": shape[1],
+                "tokens": shape[0] * shape[1],
+                "layers": layers,
+                "compiled": compiled,
+                "timing": mode,
+                "dense_ms": dense_ms,
+                "dispatch_ms": dispatch_ms,
+                "sparse_ms": sparse_ms,
+                "dispatch_ratio": dense_ms / dispatch_ms,
+                "sparse_ratio": dense_ms / sparse_ms,
+            }
+        )
+        print(
+            f"forward {shape[0]}x{shape[1]} ({'compiled' if compiled else 'eager'}): dense "
+            f"{dense_ms:.3f} ms, dispatch {dense_ms / dispatch_ms:.2f}x, always sparse "
+            f"{dense_ms / sparse_ms:.2f}x ({mode})",
+            flush=True,
+        )
+    return rows
+
+
+def vllm_throughput(layers: int) -> dict:
+    """Offline-engine tokens/s of the compressed 2:4 checkpoint against the dense one."""
+    import torch
+    from transformers import AutoTokenizer  # noqa: F401  (vLLM needs a tokenizer dir)
+
+    from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
+
+    with tempfile.TemporaryDirectory() as root:
+        dense_dir, sparse_dir = Path(root, "dense"), Path(root, "sparse24")
+        model = llama_7b_shaped(layers, torch.bfloat16)
+        model.save_pretrained(dense_dir)
+        model.save_pretrained(sparse_dir)
+        targets = [
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and ".layers." in name
+        ]
+        del model
+        torch.cuda.empty_cache()
+        write_sparse24(sparse_dir, targets)
+        result = {}
+        for label, directory in (("dense", dense_dir), ("sparse24", sparse_dir)):
+            result[label] = _engine_throughput(directory)
+        for workload in ("prefill", "decode"):
+            result[f"{workload}_ratio"] = result["sparse24"][workload] / result["dense"][workload]
+        return result
+
+
+def _engine_throughput(directory: Path) -> dict:
+    import gc
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    engine = LLM(
+        str(directory),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        gpu_memory_utilization=0.6,
+    )
+    vocab = 32000
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for workload, prompts, prompt_len, max_tokens in (
+        ("prefill", 32, 2048, 1),
+        ("decode", 64, 16, 256),
+    ):
+        requests = [
+            {
+                "prompt_token_ids": torch.randint(
+                    0, vocab, (prompt_len,), generator=generator
+                ).tolist()
+            }
+            for _ in range(prompts)
+        ]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+        engine.generate(requests[:2], params)  # warm-up
+        start = time.perf_counter()
+        engine.generate(requests, params)
+        seconds = time.perf_counter() - start
+        tokens = prompts * (prompt_len if workload == "prefill" else max_tokens)
+        out[workload] = tokens / seconds
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def write_tables(out: Path, payload: dict) -> None:
+    lines = [
+        f"# 2:4 sparse GEMMs against dense ({payload['gpu']})",
+        "",
+        f"torch {payload['torch']}, cuSPARSELt {payload['cusparselt']}, {payload['dtype']}. "
+        "Ratios are dense time / other time (above 1 is faster).",
+        "",
+    ]
+    if payload.get("per_shape"):
+        lines += ["## Per shape: dense / always sparse (dense / dispatched)", ""]
+        tokens = sorted({r["tokens"] for r in payload["per_shape"]})
+        lines += [
+            "| model | projection | (out, in) | sparse from | "
+            + " | ".join(str(t) for t in tokens)
+            + " |",
+            "|" + "---|" * (4 + len(tokens)),
+        ]
+        keys = dict.fromkeys((r["model"], r["projection"]) for r in payload["per_shape"])
+        for model, projection in keys:
+            cells = [
+                r
+                for r in payload["per_shape"]
+                if r["model"] == model and r["projection"] == projection
+            ]
+            start = cells[0]["sparse_from"]
+            lines.append(
+                f"| {model} | {projection} | {tuple(cells[0]['shape'])} | "
+                f"{start if start < 1 << 40 else 'never'} | "
+                + " | ".join(f"{c['sparse_ratio']:.2f} ({c['dispatch_ratio']:.2f})" for c in cells)
+                + " |"
+            )
+        lines.append("")
+    if payload.get("end_to_end"):
+        rows = payload["end_to_end"]
+        lines += [
+            f"## End to end: Llama-7B-shaped, {rows[0]['layers']} layers, one forward",
+            "",
+            "| modules | batch × sequence | tokens | dense ms | dispatched | always sparse "
+            "| timing |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            mode = "torch.compile" if r["compiled"] else "eager"
+            lines.append(
+                f"| {mode} | {r['batch']}×{r['sequence']} | {r['tokens']} | {r['dense_ms']:.3f} | "
+                f"{r['dispatch_ratio']:.2f}× | {r['sparse_ratio']:.2f}× | {r['timing']} |"
+            )
+        lines.append("")
+    lines += ["## vLLM offline engine", ""]
+    vllm = payload.get("vllm")
+    if isinstance(vllm, dict):
+        lines += ["| workload | dense tokens/s | 2:4 tokens/s | ratio |", "|---|---|---|---|"]
+        for workload in ("prefill", "decode"):
+            lines.append(
+                f"| {workload} | {vllm['dense'][workload]:.0f} | "
+                f"{vllm['sparse24'][workload]:.0f} | {vllm[workload + '_ratio']:.2f}× |"
+            )
+    else:
+        lines.append(str(vllm))
+    (out / "sparse_kernels.md").write_text("\n".join(lines) + "\n")
+    write_json(out / "sparse_kernels.json", payload)
+    plot(out, payload)
+
+
+def plot(out: Path, payload: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for model, projection in dict.fromkeys(
+        (r["model"], r["projection"]) for r in payload.get("per_shape", [])
+    ):
+        cells = [
+            r for r in payload["per_shape"] if (r["model"], r["projection"]) == (model, projection)
+        ]
+        axes[0].plot(
+            [c["tokens"] for c in cells],
+            [c["sparse_ratio"] for c in cells],
+            marker=".",
+            label=f"{model} {projection}",
+        )
+    axes[0].set(
+        xscale="log",
+        xlabel="tokens",
+        ylabel="dense time / sparse time",
+        title="cuSPARSELt 2:4, always sparse",
+    )
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=6, ncol=2)
+    rows = payload.get("end_to_end", [])
+    if rows:
+        for compiled in sorted({r["compiled"] for r in rows}):
+            part = [r for r in rows if r["compiled"] == compiled]
+            tokens = [r["tokens"] for r in part]
+            mode = "compiled" if compiled else "eager"
+            axes[1].plot(
+                tokens, [r["dispatch_ratio"] for r in part], marker="o", label=f"dispatched, {mode}"
+            )
+            axes[1].plot(
+                tokens,
+                [r["sparse_ratio"] for r in part],
+                marker="x",
+                ls="--",
+                label=f"always sparse, {mode}",
+            )
+        axes[1].axhline(1.0, color="grey", lw=0.8)
+        axes[1].set(
+            xscale="log",
+            xlabel="tokens per forward",
+            ylabel="dense time / 2:4 time",
+            title=f"Llama-7B-shaped forward ({rows[0]['layers']} layers)",
+        )
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "sparse_kernels.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    parser.add_argument("--forwards", nargs="+", default=FORWARDS, help="batch x sequence")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers end to end")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the forwards under torch.compile",
+    )
+    parser.add_argument("--skip-per-shape", action="store_true")
+    parser.add_argument("--skip-end-to-end", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.layers < 1 or min(args.tokens) < 1:
+        parser.error("--layers and --tokens must be at least 1")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("sparse_kernels: no CUDA device here; nothing to measure (2:4 GEMMs need sm80+).")
+        return 0
+    from whisper_modifiers.sparse_serving import kernels
+
+    if not kernels.sparse_kernel_available("cuda", torch.bfloat16):
+        print(f"sparse_kernels: {torch.cuda.get_device_name()} has no cuSPARSELt 2:4 GEMM.")
+        return 0
+    dtype = torch.bfloat16
+    payload = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cusparselt": torch.backends.cusparselt.version(),
+        "dtype": "bfloat16",
+    }
+    if not args.skip_per_shape:
+        payload["per_shape"] = per_shape(args.models, args.tokens, dtype)
+    if not args.skip_end_to_end:
+        payload["end_to_end"] = []
+        for compiled in (False, True) if args.compile else (False,):
+            payload["end_to_end"] += end_to_end(args.layers, args.forwards, dtype, compiled)
+            torch.cuda.empty_cache()
+    if args.skip_vllm:
+        payload["vllm"] = "skipped (--skip-vllm)"
+    elif importlib.util.find_spec("vllm") is None:
+        payload["vllm"] = "vLLM is not installed in this environment: not measured"
+    else:
+        payload["vllm"] = vllm_throughput(args.layers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_tables(args.out, payload)
+    print((args.out / "sparse_kernels.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
