@@ -4,6 +4,14 @@ baseline, measured in one run on the same model and calibration set.
     python benchmarks/speed.py                      # SmolLM2-135M, 32 x 512 tokens, 3 reps
     python benchmarks/speed.py --models stories260K --repeats 5
     python benchmarks/speed.py --pairs centered --out benchmarks/results/centered
+    python benchmarks/speed.py --random-layers 2 --num-sequences 128 --seq-len 4096 \
+        --offload-devices cuda cpu --batch-sizes 1 4     # Llama-2-7B-shaped, random weights
+
+``--random-layers L`` measures a Llama-2-7B-shaped decoder of ``L`` layers with random
+weights (bfloat16 where CUDA is, else float32; ``--hidden``/``--intermediate`` shrink it
+for a smoke run) on random tokens, for each method × activation-cache device × batch size,
+and reports seconds per layer against issue #13's per-layer targets (the paper's H100 times
+per Llama-2-7B layer). Writes ``speed_random.md`` and ``speed_random.json``.
 
 Every measurement runs in a fresh process (so peak memory is not hidden by memory the
 allocator kept from an earlier run); baseline and method alternate, and the ratio of the
@@ -19,6 +27,7 @@ import argparse
 import multiprocessing
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     RESULTS,
+    PeakMemory,
     calibration_set,
     load,
     model_specs,
@@ -77,6 +87,123 @@ def run_one(model_name, variant, args) -> tuple[float, int]:
     return result
 
 
+LAYER_TARGETS = {  # seconds per 7B layer on an H100 (issue #13, from the paper's times)
+    "wanda": 1.6, "wisp": 1.6, "ria": 1.6, "ria_wisp": 1.6, "wisp_plus": 4.5,
+    "sparsegpt": 11.0, "whisper": 11.0, "alps": 11.0, "alps_whisper": 11.0,
+}  # fmt: skip
+
+
+def random_llama(layers: int, hidden: int, intermediate: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
+        vocab_size=32000, max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    directory = tempfile.mkdtemp(prefix="random-llama-")  # oneshot re-reads the config
+    config.save_pretrained(directory)
+    model.config.name_or_path = directory
+    return model
+
+
+def seven_b_shaped(args) -> bool:
+    """Whether the per-layer targets apply: 7B layer shapes at the paper's 128 × 4096."""
+    return (args.hidden, args.intermediate, args.num_sequences, args.seq_len) == (
+        4096, 11008, 128, 4096)  # fmt: skip
+
+
+def stand_in_tokenizer():
+    """A one-word tokenizer: ``oneshot`` wants a processor, and the tokens are random."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")), unk_token="<unk>"
+    )
+
+
+def measure_random(args, method, offload_device, batch_size) -> dict:
+    import gc
+
+    import torch
+    from datasets import Dataset
+
+    from whisper_modifiers.methods import build_recipe, run_oneshot
+
+    model = random_llama(args.random_layers, args.hidden, args.intermediate)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32000, (args.num_sequences, args.seq_len), generator=generator)
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(),
+                                 "attention_mask": torch.ones_like(ids).tolist()})  # fmt: skip
+    recipe = build_recipe(method, 0.5, args.structure, 0)
+    with PeakMemory() as memory:
+        start = time.perf_counter()
+        run_oneshot(model, stand_in_tokenizer(), dataset, recipe, batch_size=batch_size,
+                    sequential_offload_device=offload_device)  # fmt: skip
+        seconds = time.perf_counter() - start
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"method": method, "offload_device": offload_device, "batch_size": batch_size,
+            "seconds": seconds, "seconds_per_layer": seconds / args.random_layers,
+            "layer_target": LAYER_TARGETS.get(method) if seven_b_shaped(args) else None,
+            "peak_bytes": memory.bytes}  # fmt: skip
+
+
+def main_random(args) -> int:
+    import torch
+
+    rows = []
+    for offload_device in args.offload_devices:
+        for batch_size in args.batch_sizes:
+            for method in args.methods:
+                row = measure_random(args, method, offload_device, batch_size)
+                rows.append(row)
+                print(f"{method:<14} cache {offload_device:<5} batch {batch_size}: "
+                      f"{row['seconds']:7.2f} s ({row['seconds_per_layer']:.2f} s/layer), "
+                      f"peak +{row['peak_bytes'] / 2**30:.1f} GiB", flush=True)  # fmt: skip
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    config = vars(args) | {"out": str(args.out)}
+    write_random_tables(args.out, {"config": config, "device": device, "rows": rows})
+    return 0
+
+
+def write_random_tables(out: Path, payload: dict) -> None:
+    """``speed_random.md`` and ``speed_random.json`` from ``main_random``'s payload."""
+    config, rows = payload["config"], payload["rows"]
+    lines = [
+        "# Speed: Llama-2-7B-shaped decoder, random weights",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/speed.py --random-layers "
+        f"{config['random_layers']}` on {payload['device']}: hidden {config['hidden']}, MLP "
+        f"{config['intermediate']}, {config['num_sequences']} × {config['seq_len']} calibration "
+        f"tokens, mask {config['structure']}, one run each. Peak memory is above the level at "
+        "the start (CUDA: allocated).",
+        "",
+        "| method | activation cache | batch | time (s) | s / layer | target s / layer "
+        "| peak extra memory (GiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        target = r["layer_target"]
+        mark = "" if target is None else ("✓" if r["seconds_per_layer"] <= target else "✗")
+        lines.append(
+            f"| {r['method']} | {r['offload_device']} | {r['batch_size']} | {r['seconds']:.1f} | "
+            f"{r['seconds_per_layer']:.2f} | {'-' if target is None else f'≤ {target} {mark}'} | "
+            f"{r['peak_bytes'] / 2**30:.1f} |"
+        )
+    write_json(out / "speed_random.json", payload)
+    (out / "speed_random.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
@@ -87,7 +214,23 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", nargs="+", default=["main", "centered"], choices=list(PAIRS))
     parser.add_argument("--composites", action="store_true", help="add the RIA and ALPS pairs")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--random-layers",
+        type=int,
+        default=0,
+        help="measure a Llama-2-7B-shaped random model of this many layers",
+    )
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=11008)
+    parser.add_argument("--methods", nargs="+", default=["wanda", "wisp", "wisp_plus",
+                        "sparsegpt", "whisper"], choices=list(LAYER_TARGETS))  # fmt: skip
+    parser.add_argument("--offload-devices", nargs="+", default=["cuda"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     args = parser.parse_args(argv)
+    if args.random_layers:
+        quiet_logs()
+        args.out.mkdir(parents=True, exist_ok=True)
+        return main_random(args)
     groups = list(dict.fromkeys(args.pairs + (["composites"] if args.composites else [])))
     pairs = [pair for group in groups for pair in PAIRS[group]]
 

@@ -86,3 +86,18 @@ def test_sparse_kernel_tables_and_plot_from_a_measured_payload(tmp_path):
     assert "| torch.compile | 8×4096 | 32768 |" in table and "vLLM" in table
     assert (tmp_path / "sparse_kernels.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "sparse_kernels.json").read_text()) == payload
+
+
+def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
+    import speed
+
+    argv = ["--random-layers", "1", "--hidden", "64", "--intermediate", "128",
+            "--num-sequences", "4", "--seq-len", "32", "--methods", "wisp", "sparsegpt",
+            "--offload-devices", "cpu", "--batch-sizes", "1", "2",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rows = json.loads((tmp_path / "speed_random.json").read_text())["rows"]
+    assert [(r["method"], r["batch_size"]) for r in rows] == [
+        ("wisp", 1), ("sparsegpt", 1), ("wisp", 2), ("sparsegpt", 2)]  # fmt: skip
+    assert all(r["seconds"] > 0 and r["layer_target"] is None for r in rows)  # not 7B-shaped
+    assert "| wisp | cpu | 2 |" in (tmp_path / "speed_random.md").read_text()

@@ -180,6 +180,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         "any loader), 'auto' (default: compressed for a 2:4 recipe that is unquantized or "
         "quantized to 8 bits, else dense)",
     )
+    parser.add_argument(
+        "--offload-device",
+        default="auto",
+        help="where llmcompressor's sequential pipeline keeps the cached activations "
+        "between layers: 'cpu', 'cuda' (fast; needs GPU memory) or 'auto' (default: the GPU "
+        "when the cache takes at most 40%% of its free memory)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        default="auto",
+        help="calibration sequences per forward: a number, or 'auto' (default: up to 4 on a "
+        "GPU with room, else 1); pairs do not depend on it",
+    )
     return parser.parse_args(argv)
 
 
@@ -238,6 +251,36 @@ MINIMUMS = {
 }
 
 
+def check_batch_size(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise UsageError(
+            f"--batch-size must be 'auto' or a whole number of at least 1; got {value!r}"
+        )
+    return number
+
+
+def check_offload_device(value: str) -> str:
+    import torch
+
+    if value in ("auto", "cpu"):
+        return value
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda":
+        raise UsageError(f"--offload-device must be 'auto', 'cpu' or a CUDA device; got {value!r}")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--offload-device {value}: no CUDA device here (use 'cpu' or 'auto')")
+    return value
+
+
 def run(args: argparse.Namespace) -> dict:
     """Check everything that can be checked before loading weights, then load, prune,
     evaluate and save (see the module docstring)."""
@@ -245,6 +288,17 @@ def run(args: argparse.Namespace) -> dict:
     for name, (minimum, meaning) in MINIMUMS.items():
         check_minimum(f"--{name.replace('_', '-')}", getattr(args, name), minimum, meaning)
     recipe = resolve_recipe(args.recipe)
+    batch_size = check_batch_size(args.batch_size)
+    offload_device = check_offload_device(args.offload_device)
+    from whisper_modifiers.modifiers import distributed
+
+    distributed.init_from_torchrun()  # under torchrun: join the process group
+    writer = distributed.rank() == 0  # only rank 0 evaluates and writes
+    if args.num_sequences < distributed.world_size():
+        raise UsageError(
+            f"--num-sequences {args.num_sequences} cannot be split over "
+            f"{distributed.world_size()} processes: each needs at least one sequence"
+        )
 
     from whisper_modifiers.models import resolve_model
     from whisper_modifiers.output_dir import (
@@ -274,7 +328,7 @@ def run(args: argparse.Namespace) -> dict:
     from whisper_modifiers.checkpoint import check_checkpoint, sparsity_record, write_record
     from whisper_modifiers.data import load_corpus, sequence_dataset
     from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
-    from whisper_modifiers.methods import run_oneshot
+    from whisper_modifiers.methods import calibration_settings, run_oneshot
     from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
     from whisper_modifiers.output_dir import partial_output
     from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
@@ -304,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
     modifiers = load_recipe(recipe, skeleton)
     check_recipe_targets(recipe, modifiers, skeleton)
     layout = storage_layout(args.layout, modifiers)
-    for stale in remove_stale_partials(output_dir, started):
+    for stale in remove_stale_partials(output_dir, started) if writer else ():
         logger.info(f"removed {stale}, left by an interrupted whisper-prune")
 
     logger.info(f"model {model_id}, recipe {recipe}")
@@ -335,16 +389,31 @@ def run(args: argparse.Namespace) -> dict:
             "bos": bos is not None,
         },
     }
-    if not args.skip_dense_eval:
+    if distributed.is_distributed():
+        bounds = distributed.shard_bounds(len(calibration), distributed.world_size())
+        report["distributed"] = {
+            "world_size": distributed.world_size(),
+            "sequences_per_rank": [end - start for start, end in bounds],
+        }
+    if not args.skip_dense_eval and writer:
         report["dense_perplexity"] = evaluate()
         logger.info(f"dense perplexity {report['dense_perplexity']:.3f}")
 
+    offload_device, batch_size = calibration_settings(
+        model, args.num_sequences, args.seq_len, offload_device, batch_size
+    )
+    report["calibration"].update(batch_size=batch_size, offload_device=offload_device)
+    logger.info(f"calibration batch size {batch_size}, activation cache on {offload_device}")
     start = time.perf_counter()
     try:
-        run_oneshot(model, tokenizer, calibration, modifiers)
+        run_oneshot(model, tokenizer, calibration, modifiers, batch_size=batch_size,
+                    sequential_offload_device=offload_device)  # fmt: skip
     except NonFiniteError as error:
         raise PruningFailed(f"pruning stopped: {error}") from error
     report["pruning_seconds"] = time.perf_counter() - start
+    distributed.finish()
+    if not writer:
+        return report  # rank 0 evaluates and saves the same weights
     report["pruned_perplexity"] = evaluate()
     if not math.isfinite(report["pruned_perplexity"]):
         raise PruningFailed(
@@ -392,6 +461,8 @@ def main(argv=None) -> int:
     except PruningFailed as error:
         print(f"whisper-prune: error: {error}", file=sys.stderr)
         return 1
+    if "output_dir" not in report:
+        return 0  # another rank of a torchrun run: rank 0 reports and saves
     dense = report.get("dense_perplexity")
     print()
     print("| model | recipe | dense ppl | pruned ppl | sparsity | pruning time |")

@@ -27,6 +27,7 @@ from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
+from whisper_modifiers.modifiers.distributed import sequence_offset
 from whisper_modifiers.modifiers.validation import (
     SparsityValidation,
     check_finite_activations,
@@ -168,8 +169,9 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     def sequence_differences(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Pairwise differences of every sequence (batch row) of a hook's input.
 
-        Each row gets its own permutations, seeded by ``(seed, module name, index of the
-        sequence)``, so masks do not depend on batch size or module order.  Modules that
+        Each row gets its own permutations, seeded by ``(seed, module name, global index
+        of the sequence)``, so pairs do not depend on batch size, module order or the
+        number of ranks (``distributed.sequence_offset``).  Modules that
         receive the very same input tensor in one forward pass (a gate and an up
         projection) share the pairs of the first of them: the differences are computed
         once, and ``pair_source`` tells which module they were drawn for.
@@ -224,7 +226,7 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         if self.pairing != "random":
             raise RuntimeError(f"pairing {self.pairing!r} forms no explicit pairs")
         module_id = zlib.crc32(self._module_names[module].encode())
-        first = self._sequences_seen.get(module, 0)
+        first = self._sequences_seen.get(module, sequence_offset())  # global index
         self._sequences_seen[module] = first + x.shape[0]
         return torch.stack(
             [

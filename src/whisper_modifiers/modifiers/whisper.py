@@ -16,6 +16,11 @@ from loguru import logger
 from pydantic import Field, PrivateAttr
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase
+from whisper_modifiers.modifiers.distributed import (
+    reduce_statistics,
+    solve_on_owners,
+    statistic_names,
+)
 from whisper_modifiers.solvers import alps_prune
 from whisper_modifiers.statistics import accumulate_gram, regularized_difference_hessian
 
@@ -77,7 +82,9 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         self._difference_samples[module] = count
 
     def compress_modules(self):
-        """Form ``H~`` for each difference module, then run SparseGPT's solver on all."""
+        """Form ``H~`` for each difference module, then run SparseGPT's solver on all
+        (statistics reduced across ranks first, each module solved on one rank)."""
+        reduce_statistics(self)
         for module in list(self._centering):
             self._difference_hessians[module] = self.centered(module, self._hessians[module])
         for module, source in self._pair_sources.items():
@@ -92,7 +99,8 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             self._hessians[module] = regularized_difference_hessian(
                 hessian, difference_hessian.to(hessian.device), self.gamma
             )
-        self.solve()
+        modules = [m for m in self._module_names if m in self._num_samples]
+        solve_on_owners(self, modules, self.solve, statistic_names())
 
     def solve(self):
         """Prune every calibrated module with its Hessian: SparseGPT's solver."""

@@ -14,6 +14,11 @@ from loguru import logger
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase
+from whisper_modifiers.modifiers.distributed import (
+    reduce_statistics,
+    solve_on_owners,
+    statistic_names,
+)
 from whisper_modifiers.solvers import prune_by_score, ria_scores, wanda_scores
 from whisper_modifiers.statistics import (
     accumulate_channel_norms,
@@ -79,6 +84,15 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         return wanda_scores(weight, channel_scale)
 
     def compress_modules(self):
+        """Reduce the statistics across ranks (torchrun), then prune each module on one
+        rank (``distributed``); in one process, just ``solve``."""
+        reduce_statistics(self)
+        calibrated = set(self._num_samples) | set(getattr(self, "_neuronwise_counts", {}))
+        modules = [m for m in self._module_names if m in calibrated]
+        solve_on_owners(self, modules, self.solve, statistic_names())
+
+    def solve(self):
+        """Prune every module left with statistics."""
         for module in list(self._num_samples):
             count = self._num_samples.pop(module)
             squared_norms = self._row_scalars.pop(module)
@@ -171,7 +185,7 @@ class WispPlusModifier(WispModifier):
                     _add(self._difficulty_sums, module, mapping_difficulty(module.weight, sequence))
                 self._neuronwise_counts[module] += 1
 
-    def compress_modules(self):
+    def solve(self):
         for module in list(self._neuronwise_counts):
             count = self._neuronwise_counts.pop(module)
             if count == 0:
@@ -183,7 +197,7 @@ class WispPlusModifier(WispModifier):
             if self.specialized_fraction < 1:
                 statistic = self._specialize(module, statistic)
             self._prune(module, statistic, count)
-        super().compress_modules()
+        super().solve()
 
     def _specialize(self, module, neuronwise: torch.Tensor) -> torch.Tensor:
         """Wisp+'s rows for the most difficult neurons, Wisp's for the rest."""

@@ -1,0 +1,91 @@
+"""Prune stories260K with several methods through ``run_oneshot``, in one process or under
+``torchrun``; rank 0 saves the masks, the pairs every rank drew and the perplexities.
+
+    python tests/distributed_worker.py OUT [--batch-size 4]
+    torchrun --nproc_per_node 2 tests/distributed_worker.py OUT
+
+``WHISPER_MODIFIERS_FAIL_RANK=R`` makes rank R raise during calibration (the test that a
+failing rank stops the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR  # noqa: E402
+
+METHODS = ("wisp", "wisp_plus", "whisper", "sparsegpt", "wanda")
+SPARSITIES = (("2:4", 0.5, "2:4"), ("0.5", 0.5, "0:0"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--num-sequences", type=int, default=16)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import whisper_modifiers.modifiers.base as base
+    from whisper_modifiers.data import calibration_dataset
+    from whisper_modifiers.evaluation import perplexity
+    from whisper_modifiers.methods import build_recipe, run_oneshot
+    from whisper_modifiers.modifiers import distributed
+
+    distributed.init_from_torchrun()
+    rank = distributed.rank()
+    pairs = {}
+    drawn = base.pair_permutations
+
+    def recording(seq_len, num_permutations, seed):
+        permutations = drawn(seq_len, num_permutations, seed)
+        pairs[tuple(seed)] = permutations.clone()
+        if rank == int(os.environ.get("WHISPER_MODIFIERS_FAIL_RANK", "-1")):
+            raise RuntimeError(f"rank {rank} failed on purpose")
+        return permutations
+
+    base.pair_permutations = recording
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:100_000]
+    dataset = calibration_dataset(tokenizer, text, args.num_sequences, 64, seed=0)
+    heldout = tokenizer(HELDOUT_TEXT.read_text(encoding="utf-8"))["input_ids"]
+    results = {}
+    for method in METHODS:
+        for label, sparsity, structure in SPARSITIES:
+            pairs.clear()
+            model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+            recipe = build_recipe(method, sparsity, structure, seed=0)
+            run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size)
+            everyone = [None] * distributed.world_size()
+            if distributed.is_distributed():
+                dist.all_gather_object(everyone, pairs)
+            else:
+                everyone = [pairs]
+            masks = {
+                name: module.weight.detach() != 0
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+            results[f"{method}/{label}"] = {
+                "masks": masks,
+                "pairs": {key: value for part in everyone for key, value in part.items()},
+                "pairs_per_rank": [len(part) for part in everyone],
+                "perplexity": perplexity(model, heldout, 64, 8),
+            }
+    if rank == 0:
+        torch.save({"world_size": distributed.world_size(), "results": results}, args.out)
+    distributed.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

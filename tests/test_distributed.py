@@ -1,0 +1,153 @@
+"""Distributed calibration (torchrun, gloo, CPU) and batch-size independence, on
+stories260K, for Wisp, Wisp+, Whisper, SparseGPT and Wanda at 2:4 and 50 %."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, REPO
+
+WORKER = REPO / "tests" / "distributed_worker.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def run(command, timeout=600, **env):
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=environment, cwd=REPO)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    commands = {
+        "one": [sys.executable, str(WORKER), str(root / "one.pt")],
+        "batch4": [sys.executable, str(WORKER), str(root / "batch4.pt"), "--batch-size", "4"],
+        "two": [*TORCHRUN, str(WORKER), str(root / "two.pt")],
+    }
+    results = {}
+    for name, command in commands.items():
+        done = run(command)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        results[name] = torch.load(root / f"{name}.pt", weights_only=False)
+    return results
+
+
+def agreement(a: dict, b: dict) -> float:
+    same = sum((a[name] == b[name]).sum().item() for name in a)
+    return same / sum(mask.numel() for mask in a.values())
+
+
+def compare(reference: dict, other: dict) -> None:
+    assert reference.keys() == other.keys() and len(reference) == 10
+    for key, expected in reference.items():
+        got = other[key]
+        assert expected["pairs"].keys() == got["pairs"].keys(), key
+        assert all(torch.equal(expected["pairs"][k], got["pairs"][k]) for k in expected["pairs"])
+        share = agreement(expected["masks"], got["masks"])
+        print(f"{key}: masks agree on {share:.6%}")
+        assert share >= 0.999, key
+        assert got["perplexity"] == pytest.approx(expected["perplexity"], rel=0.005), key
+
+
+def test_two_ranks_match_one_process(runs):
+    assert runs["two"]["world_size"] == 2 and runs["one"]["world_size"] == 1
+    compare(runs["one"]["results"], runs["two"]["results"])
+    for method in ("wisp", "wisp_plus", "whisper"):
+        cell = runs["two"]["results"][f"{method}/2:4"]
+        assert cell["pairs"], method
+        halves = cell["pairs_per_rank"]
+        assert halves[0] == halves[1] == len(cell["pairs"]) // 2, method  # work was split
+
+
+def test_batch_size_changes_neither_pairs_nor_masks(runs):
+    compare(runs["one"]["results"], runs["batch4"]["results"])
+
+
+def test_a_failing_rank_stops_the_run_with_its_error(tmp_path):
+    start = time.monotonic()
+    done = run([*TORCHRUN, str(WORKER), str(tmp_path / "x.pt")], timeout=300,
+               WHISPER_MODIFIERS_FAIL_RANK="1")  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert "rank 1 failed on purpose" in done.stdout + done.stderr
+    assert elapsed < 120 and not (tmp_path / "x.pt").exists()
+
+
+def test_whisper_prune_under_torchrun_splits_the_work_and_rank_0_writes(tmp_path):
+    out = tmp_path / "checkpoint"
+    done = run([*TORCHRUN, "-m", "whisper_modifiers.cli", "--model", str(MODEL_DIR),
+                "--recipe", "whisper_2of4", "--calibration", str(CALIBRATION_TEXT),
+                "--eval-text", str(HELDOUT_TEXT), "--num-sequences", "6", "--seq-len", "64",
+                "--eval-seq-len", "64", "--eval-windows", "2",
+                "--output-dir", str(out)])  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "whisper_prune_report.json").read_text())
+    assert report["distributed"] == {"world_size": 2, "sequences_per_rank": [3, 3]}
+    assert report["calibration"]["batch_size"] == 1
+    assert report["calibration"]["offload_device"] == "cpu"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # one writer
+    assert done.stdout.count("checkpoint: ") == 1
+
+
+def test_shards_follow_llmcompressors_partition():
+    from llmcompressor.datasets.utils import _get_partition_start_end
+
+    from whisper_modifiers.modifiers.distributed import shard_bounds
+
+    for n, ranks in [(16, 2), (7, 3), (128, 8), (5, 5)]:
+        assert shard_bounds(n, ranks) == [
+            _get_partition_start_end(n, r, ranks) for r in range(ranks)
+        ]
+
+
+def test_calibration_settings_on_cpu():
+    from transformers import AutoModelForCausalLM
+
+    from whisper_modifiers.methods import calibration_settings
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+    if not torch.cuda.is_available():
+        assert calibration_settings(model, 64, 256) == ("cpu", 1)
+    assert calibration_settings(model, 64, 256, "cpu", 8) == ("cpu", 8)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch-size", "0"], "--batch-size must be 'auto' or a whole number of at least 1"),
+        (["--batch-size", "two"], "--batch-size must be 'auto'"),
+        (["--offload-device", "tpu"], "--offload-device must be 'auto', 'cpu' or a CUDA device"),
+    ],
+)
+def test_bad_calibration_flags_are_refused_before_work(flags, message, tmp_path, capsys):
+    from whisper_modifiers.cli import main
+
+    argv = ["--model", str(MODEL_DIR), "--recipe", "wisp_2of4", "--output-dir",
+            str(tmp_path / "o"), *flags]  # fmt: skip
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_offload_without_cuda_is_refused(tmp_path, capsys):
+    from whisper_modifiers.cli import main
+
+    argv = [
+        "--model",
+        str(MODEL_DIR),
+        "--offload-device",
+        "cuda",
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    assert main(argv) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
