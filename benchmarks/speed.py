@@ -7,6 +7,10 @@ baseline, measured in one run on the same model and calibration set.
     python benchmarks/speed.py --random-layers 2 --num-sequences 128 --seq-len 4096 \
         --offload-devices cuda cpu --batch-sizes 1 4     # Llama-2-7B-shaped, random weights
 
+``--batch-effect`` prunes ``--models`` (default SmolLM2-135M) with each of ``--methods``
+at each of ``--batch-sizes`` and reports the time and the mask agreement against batch 1
+(``speed_batch.md`` / ``.json``).
+
 ``--random-layers L`` measures a Llama-2-7B-shaped decoder of ``L`` layers with random
 weights (bfloat16 where CUDA is, else float32; ``--hidden``/``--intermediate`` shrink it
 for a smoke run) on random tokens, for each method × activation-cache device × batch size,
@@ -204,6 +208,53 @@ def write_random_tables(out: Path, payload: dict) -> None:
     print("\n".join(lines))
 
 
+def main_batch_effect(args) -> int:
+    """Time and masks at each batch size against batch 1, on real models."""
+    import torch
+
+    from whisper_modifiers.methods import build_recipe, run_oneshot
+
+    rows = []
+    for model_name in args.models:
+        spec = model_specs()[model_name]
+        for method in args.methods:
+            masks = {}
+            for batch_size in args.batch_sizes:
+                model, tokenizer = load(spec)
+                dataset = calibration_set(spec, tokenizer, 0, args.num_sequences, args.seq_len)
+                recipe = build_recipe(method, 0.5, args.structure, 0)
+                start = time.perf_counter()
+                run_oneshot(model, tokenizer, dataset, recipe, batch_size=batch_size)
+                seconds = time.perf_counter() - start
+                masks[batch_size] = {n: m.weight.detach() != 0 for n, m in model.named_modules()
+                                     if isinstance(m, torch.nn.Linear)}  # fmt: skip
+                first = masks[args.batch_sizes[0]]
+                same = sum((first[n] == masks[batch_size][n]).sum().item() for n in first)
+                total = sum(v.numel() for v in first.values())
+                rows.append({"model": model_name, "method": method, "batch_size": batch_size,
+                             "seconds": seconds, "mask_agreement": same / total})  # fmt: skip
+                print(f"{model_name} {method:<10} batch {batch_size}: {seconds:6.1f} s, masks "
+                      f"agree with batch {args.batch_sizes[0]} on {same / total:.5%}",
+                      flush=True)  # fmt: skip
+    lines = [
+        "# Calibration batch size: time and masks",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/speed.py --batch-effect` on CPU"
+        f": {args.num_sequences} × {args.seq_len} calibration tokens, mask {args.structure}, "
+        f"one run each; agreement is against batch {args.batch_sizes[0]}.",
+        "",
+        "| model | method | batch | time (s) | mask agreement |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {r['model']} | {r['method']} | {r['batch_size']} | {r['seconds']:.1f} | "
+              f"{r['mask_agreement']:.5%} |" for r in rows]  # fmt: skip
+    write_json(args.out / "speed_batch.json", {"config": vars(args) | {"out": str(args.out)},
+                                               "rows": rows})  # fmt: skip
+    (args.out / "speed_batch.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
@@ -226,7 +277,16 @@ def main(argv=None) -> int:
                         "sparsegpt", "whisper"], choices=list(LAYER_TARGETS))  # fmt: skip
     parser.add_argument("--offload-devices", nargs="+", default=["cuda"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    parser.add_argument(
+        "--batch-effect",
+        action="store_true",
+        help="time and masks at each --batch-sizes against the first",
+    )
     args = parser.parse_args(argv)
+    if args.batch_effect:
+        quiet_logs()
+        args.out.mkdir(parents=True, exist_ok=True)
+        return main_batch_effect(args)
     if args.random_layers:
         quiet_logs()
         args.out.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-sequences", type=int, default=16)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,7 +60,7 @@ def main() -> int:
     dataset = calibration_dataset(tokenizer, text, args.num_sequences, 64, seed=0)
     heldout = tokenizer(HELDOUT_TEXT.read_text(encoding="utf-8"))["input_ids"]
     results = {}
-    for method in METHODS:
+    for method in args.methods:
         for label, sparsity, structure in SPARSITIES:
             pairs.clear()
             model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)

@@ -101,3 +101,16 @@ def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
         ("wisp", 1), ("sparsegpt", 1), ("wisp", 2), ("sparsegpt", 2)]  # fmt: skip
     assert all(r["seconds"] > 0 and r["layer_target"] is None for r in rows)  # not 7B-shaped
     assert "| wisp | cpu | 2 |" in (tmp_path / "speed_random.md").read_text()
+
+
+def test_speed_benchmark_batch_effect(tmp_path):
+    import speed
+
+    argv = ["--batch-effect", "--models", "stories260K", "--methods", "whisper",
+            "--batch-sizes", "1", "4", "--num-sequences", "8", "--seq-len", "64",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rows = json.loads((tmp_path / "speed_batch.json").read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 4] and rows[0]["mask_agreement"] == 1.0
+    assert rows[1]["mask_agreement"] >= 0.999
+    assert "| stories260K | whisper | 4 |" in (tmp_path / "speed_batch.md").read_text()
