@@ -190,8 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         default="auto",
-        help="calibration sequences per forward: a number, or 'auto' (default: up to 4 on a "
-        "GPU with room, else 1); pairs do not depend on it",
+        help="calibration sequences per forward: a number, or 'auto' (default: 1, so that "
+        "masks never depend on the machine; larger batches change the forward's rounding)",
     )
     return parser.parse_args(argv)
 

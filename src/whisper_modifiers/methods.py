@@ -107,24 +107,18 @@ def run_oneshot(model, tokenizer, dataset, recipe, batch_size: int = 1, **kwargs
 
 def calibration_settings(model, num_sequences: int, seq_len: int, offload_device="auto",
                          batch_size="auto") -> tuple[str, int]:  # fmt: skip
-    """The activation-cache device and calibration batch size: ``auto`` keeps the cache on
-    the GPU when it takes at most 40 % of the free GPU memory, and batches up to 4
-    sequences while eager attention's scores and the MLP activations of a batch take at
-    most 10 % of it; on CPU, the cache stays on the CPU with batches of 1."""
+    """The activation-cache device and calibration batch size. ``auto`` keeps the cache on
+    the GPU when it takes at most 40 % of the free GPU memory, else on the CPU; ``auto``
+    batches one sequence per forward. A larger batch changes the floating-point order of
+    the forward itself: on SmolLM2-135M (bfloat16) batch 4 changed 0.8 % of Wanda's 2:4
+    mask and 5 % of SparseGPT's (``benchmarks/results/speed_batch.md``), for 10-19 %
+    speed on a GPU, so a machine's free memory never changes the masks."""
     import torch
 
     config = model.config
-    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
     if offload_device == "auto":
+        free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
         itemsize = next(model.parameters()).element_size()
         cache = 2 * num_sequences * seq_len * config.hidden_size * itemsize
         offload_device = "cuda" if free and cache <= 0.4 * free else "cpu"
-    if batch_size == "auto":
-        heads = getattr(config, "num_attention_heads", 1)
-        width = getattr(config, "intermediate_size", 4 * config.hidden_size)
-        per_sequence = 4 * (heads * seq_len * seq_len + 3 * seq_len * width)
-        batch_size = 1
-        while free and batch_size < 4 and 2 * batch_size * per_sequence <= 0.1 * free:
-            batch_size *= 2
-        batch_size = min(batch_size, num_sequences)
-    return offload_device, int(batch_size)
+    return offload_device, 1 if batch_size == "auto" else int(batch_size)
