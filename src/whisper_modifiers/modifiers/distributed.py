@@ -13,6 +13,7 @@ float64), each module is solved on one rank (``solve_on_owners``, compressed-ten
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Callable, Iterable
 
@@ -67,18 +68,24 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=3)
+"""How long a rank waits for the others (rank 0 evaluates the dense model alone while
+they wait; NCCL's default, 10 minutes, is too short for a large model)."""
+
+
 def init_from_torchrun() -> bool:
-    """Join torchrun's process group (NCCL with GPUs, else gloo) when started by torchrun
-    with more than one process; False otherwise."""
+    """Join torchrun's process group when started by torchrun with more than one
+    process (NCCL on this process's GPU, ``LOCAL_RANK``, as compressed-tensors' ``init_dist``
+    does, else gloo), with ``COLLECTIVE_TIMEOUT``; False otherwise."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return False
     if not dist.is_initialized():
+        device = None
         if torch.cuda.is_available():
-            from compressed_tensors.distributed import init_dist
-
-            init_dist()
-        else:
-            dist.init_process_group(backend="gloo", init_method="env://")
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device else "gloo", init_method="env://",
+                                timeout=COLLECTIVE_TIMEOUT, device_id=device)  # fmt: skip
     return True
 
 
