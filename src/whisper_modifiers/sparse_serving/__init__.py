@@ -7,6 +7,7 @@ environment alone.
 * ``format``: compress and decompress 2:4 weights (values + 4-bit-per-group bitmask);
 * ``checkpoint``: write a saved checkpoint's 2:4 Linear weights in that layout and
   declare it in ``config.json``; read such a checkpoint back as a dense state dict;
+* ``paths``: the package's cache directory (``$WHISPER_MODIFIERS_CACHE``);
 * ``kernels``: 2:4 GEMMs on sm80+ GPUs (cuSPARSELt) with a measured dispatch to dense,
   as ``Sparse24Linear`` and ``accelerate(model)``;
 * ``vllm_plugin``: the ``vllm.general_plugins`` entry point that registers the format

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from whisper_modifiers.sparse_serving.format import NotTwoFourError, check_two_four
+from whisper_modifiers.sparse_serving.paths import cache_dir
 
 __all__ = [
     "TOKEN_LADDER",
@@ -233,9 +234,8 @@ def plan_from_timings(timings: list[dict], margin: float = SPARSE_MARGIN) -> Dis
 
 
 def plan_cache_file() -> Path:
-    """``$WHISPER_MODIFIERS_CACHE/sparse24_plans.json`` (default ``~/.cache/whisper_modifiers``)."""
-    default = Path.home() / ".cache" / "whisper_modifiers"
-    return Path(os.environ.get("WHISPER_MODIFIERS_CACHE", default)) / "sparse24_plans.json"
+    """``sparse24_plans.json`` in the package's cache (``paths.cache_dir``)."""
+    return cache_dir() / "sparse24_plans.json"
 
 
 _plans: dict[str, DispatchPlan] = {}
