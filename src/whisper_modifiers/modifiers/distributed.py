@@ -182,18 +182,17 @@ def _any_rank(flag: bool) -> bool:
 # ---- solving on one rank -----------------------------------------------------------------
 
 
-def solve_on_owners(modifier, modules: Iterable[torch.nn.Module], solve: Callable[[], None],
-                    statistics: Iterable[str]) -> None:  # fmt: skip
-    """Run ``solve`` (which prunes the modules left in ``modifier``'s ``statistics``
-    dicts) for the modules this rank owns, then broadcast every module's pruned weight
-    from its owner. In one process, just ``solve()``."""
+def solve_on_owners(modifier, modules: Iterable[torch.nn.Module], solve: Callable[[], None]):
+    """Run ``solve`` (which prunes the modules left in ``modifier``'s statistic dicts,
+    ``statistic_names``) for the modules this rank owns, then broadcast every module's
+    pruned weight from its owner. In one process, just ``solve()``."""
     modules = list(modules)
     if not is_distributed():
         solve()
         return
     _, _, owner = greedy_bin_packing(list(modules), world_size(), lambda m: m.weight.numel())
     here = rank()
-    for name in statistics:
+    for name in statistic_names():
         held = getattr(modifier, name, None)
         if held is None:
             continue
@@ -226,7 +225,7 @@ class _OwnerSolving:
     def compress_modules(self):
         reduce_statistics(self)
         modules = [m for m in self._module_names if m in self._num_samples]
-        solve_on_owners(self, modules, super().compress_modules, statistic_names())
+        solve_on_owners(self, modules, super().compress_modules)
 
 
 class DistributedWandaModifier(_OwnerSolving, WandaPruningModifier):

@@ -19,7 +19,6 @@ from whisper_modifiers.modifiers.base import DifferencePruningBase
 from whisper_modifiers.modifiers.distributed import (
     reduce_statistics,
     solve_on_owners,
-    statistic_names,
 )
 from whisper_modifiers.solvers import alps_prune
 from whisper_modifiers.statistics import accumulate_gram, regularized_difference_hessian
@@ -100,7 +99,7 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
                 hessian, difference_hessian.to(hessian.device), self.gamma
             )
         modules = [m for m in self._module_names if m in self._num_samples]
-        solve_on_owners(self, modules, self.solve, statistic_names())
+        solve_on_owners(self, modules, self.solve)
 
     def solve(self):
         """Prune every calibrated module with its Hessian: SparseGPT's solver."""

@@ -17,7 +17,6 @@ from whisper_modifiers.modifiers.base import DifferencePruningBase
 from whisper_modifiers.modifiers.distributed import (
     reduce_statistics,
     solve_on_owners,
-    statistic_names,
 )
 from whisper_modifiers.solvers import prune_by_score, ria_scores, wanda_scores
 from whisper_modifiers.statistics import (
@@ -89,7 +88,7 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         reduce_statistics(self)
         calibrated = set(self._num_samples) | set(getattr(self, "_neuronwise_counts", {}))
         modules = [m for m in self._module_names if m in calibrated]
-        solve_on_owners(self, modules, self.solve, statistic_names())
+        solve_on_owners(self, modules, self.solve)
 
     def solve(self):
         """Prune every module left with statistics."""

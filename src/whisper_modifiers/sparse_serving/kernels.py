@@ -83,6 +83,10 @@ class DispatchPlan:
         return self.sparse_from > 1
 
 
+DENSE_ONLY = DispatchPlan(_NEVER, (1,), (0,))
+"""The plan of a layer the sparse kernel cannot run (CPU, float32, a refused shape)."""
+
+
 def _ladder_index(ladder, tokens: int) -> int:
     index = 0
     for i, point in enumerate(ladder):
@@ -320,7 +324,7 @@ class Sparse24Linear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.compressed = None
-        self.plan = None
+        self.plan = DENSE_ONLY
         if sparse_kernel_available(weight.device, weight.dtype) and _kernel_shape_ok(weight):
             check_two_four(weight.detach(), "weight")
             self.compressed = torch._cslt_compress(weight.detach())
@@ -328,8 +332,7 @@ class Sparse24Linear(torch.nn.Module):
                 self.plan = plan or plan_for(self.compressed, weight.detach())
             else:
                 self.plan = DispatchPlan.always_sparse(plan)
-        keep = self.compressed is None or self.plan.uses_dense()
-        self.dense = weight.detach() if keep else None
+        self.dense = weight.detach() if self.plan.uses_dense() else None
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, *, keep_dense: bool = True) -> Sparse24Linear:
@@ -340,7 +343,7 @@ class Sparse24Linear(torch.nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
-        plan = self.plan or DispatchPlan(_NEVER, (1,), (0,))
+        plan = self.plan
         return sparse24_linear(
             x,
             self.compressed,
