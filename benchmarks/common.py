@@ -31,6 +31,7 @@ class ModelSpec:
     seq_len: int
     eval_seq_len: int
     eval_windows: int | None
+    bos: bool = False  # every calibration and evaluation window starts with BOS (Gemma)
 
 
 def model_specs() -> dict[str, ModelSpec]:
@@ -52,6 +53,10 @@ def model_specs() -> dict[str, ModelSpec]:
         "smollm2-135m": ModelSpec(
             "smollm2-135m", "embedded", calibration, evaluation, 32, 512, 1024, 16
         ),
+        # opt-in, never in CI: bash scripts/install_gemma.sh
+        "gemma3-270m": ModelSpec(
+            "gemma3-270m", "gemma3", calibration, evaluation, 32, 512, 1024, 16, bos=True
+        ),
     }
 
 
@@ -59,9 +64,12 @@ def load(spec: ModelSpec):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from whisper_modifiers.models import resolve_model
+    from whisper_modifiers.models import gemma3_model_dir, resolve_model
 
-    path = resolve_model(None if spec.source == "embedded" else spec.source)
+    if spec.source == "gemma3":
+        path = gemma3_model_dir()
+    else:
+        path = resolve_model(None if spec.source == "embedded" else spec.source)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer
 
@@ -81,7 +89,16 @@ def calibration_set(spec: ModelSpec, tokenizer, seed: int, num_sequences=None, s
         num_sequences or spec.num_sequences,
         seq_len or spec.seq_len,
         seed=seed,
+        bos=spec.bos,
     )
+
+
+def spec_perplexity(model, spec: ModelSpec, tokenizer, eval_ids, windows) -> float:
+    """``evaluation.perplexity`` under ``spec``'s protocol (BOS-led windows for Gemma)."""
+    from whisper_modifiers.evaluation import perplexity
+
+    bos = tokenizer.bos_token_id if spec.bos else None
+    return perplexity(model, eval_ids, spec.eval_seq_len, windows, bos)
 
 
 class PeakMemory:
@@ -165,7 +182,6 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
     ``on_cell()`` is called after each cell. ``cache`` (a dict, ``run_key`` -> run) holds
     runs already done: a variant that builds the same recipe as one run before is not
     run again."""
-    from whisper_modifiers.evaluation import perplexity
     from whisper_modifiers.methods import build_recipe
 
     table = {} if table is None else table
@@ -182,9 +198,9 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                     model, _ = load(spec)
                     dataset = calibration_set(spec, tokenizer, seed, num_sequences, seq_len)
                     seconds, memory = prune(model, tokenizer, dataset, recipe)
-                    ppl = perplexity(model, eval_ids, spec.eval_seq_len, windows)
+                    ppl = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
                     cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
-                                  "peak_bytes": memory}  # fmt: skip
+                                  "peak_bytes": memory, "gamma": chosen_gammas(recipe)}  # fmt: skip
                 runs.append(cache[key])
                 print(f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl "
                       f"{runs[-1]['perplexity']:.3f}  {runs[-1]['seconds']:.1f} s",
@@ -201,6 +217,12 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
             if on_cell is not None:
                 on_cell()
     return table
+
+
+def chosen_gammas(recipe) -> dict[str, float]:
+    """``gamma: auto``'s choice per module of a finished run (empty for other recipes)."""
+    return {name: choice["gamma"] for modifier in recipe if hasattr(modifier, "gamma_selection")
+            for name, choice in modifier.gamma_selection().items()}  # fmt: skip
 
 
 def parse_sparsity(label: str) -> tuple[float, str]:

@@ -4,11 +4,16 @@
     python benchmarks/quality.py --sparsities 2:4 0.5 0.65 --sweep
     python benchmarks/quality.py --composites --models smollm2-135m --out results/composites
     python benchmarks/quality.py --models smollm2-135m --paper-protocol   # bigger machines
+    python benchmarks/quality.py --gamma-auto --models smollm2-135m gemma3-270m \
+        --num-sequences 64 --seq-len 1024 --out benchmarks/results/gamma_auto
 
 Each (model, method, sparsity) runs with ``--seeds`` seeds (seed = calibration sample and
 pair permutation); the table reports mean +- standard error. Writes
 ``quality.json``, ``quality.md``, ``perplexity_vs_sparsity.png`` (paper Figure 1) and
-``perplexity_vs_time.png`` (paper Figure 3, with the Pareto front) to ``--out``.
+``perplexity_vs_time.png`` (paper Figure 3, with the Pareto front) to ``--out``; with
+``gamma: auto`` variants also the comparison with each baseline (never worse?) and
+``gamma_per_layer.png``, the chosen gamma per layer. Gemma-3-270M (``gemma3-270m``) is
+opt-in: ``bash scripts/install_gemma.sh`` first.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ from common import (  # noqa: E402
     model_specs,
     quiet_logs,
     run_variants,
+    spec_perplexity,
     write_json,
 )
 
 SWEEP = ["0.5", "0.55", "0.6", "0.65", "0.7", "0.75"]
+GAMMA_AUTO = ["sparsegpt", "whisper", "whisper:gamma=auto", "wanda", "wisp", "wisp:gamma=auto",
+              "wisp_plus:gamma=auto"]  # fmt: skip
+GAMMA_AUTO_SPARSITIES = ["2:4", "0.65"]
 
 
 def main(argv=None) -> int:
@@ -52,7 +61,12 @@ def main(argv=None) -> int:
         help="the composability table: RIA, RIA-Wisp, RIA-Wisp+, ALPS, "
         "ALPS-Whisper beside SparseGPT and Whisper",
     )
-    parser.add_argument("--sparsities", nargs="+", default=["2:4"])
+    parser.add_argument(
+        "--gamma-auto",
+        action="store_true",
+        help=f"issue 14's table: {' '.join(GAMMA_AUTO)} at {' and '.join(GAMMA_AUTO_SPARSITIES)}",
+    )
+    parser.add_argument("--sparsities", nargs="+", default=None)
     parser.add_argument("--sweep", action="store_true", help=f"add {', '.join(SWEEP)}")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--num-sequences", type=int, default=None)
@@ -75,9 +89,10 @@ def main(argv=None) -> int:
     if args.methods is None:
         composites = [*COMPOSITE_METHODS, "sparsegpt", "whisper"]
         args.methods = composites if args.composites else list(MAIN_METHODS)
+        args.methods = GAMMA_AUTO if args.gamma_auto else args.methods
+    if args.sparsities is None:
+        args.sparsities = GAMMA_AUTO_SPARSITIES if args.gamma_auto else ["2:4"]
     quiet_logs()
-
-    from whisper_modifiers.evaluation import perplexity
 
     sparsities = list(dict.fromkeys(args.sparsities + (SWEEP if args.sweep else [])))
     specs = model_specs()
@@ -105,7 +120,7 @@ def main(argv=None) -> int:
         windows = spec.eval_windows if args.eval_windows is None else (args.eval_windows or None)
         model, tokenizer = load(spec)
         eval_ids = evaluation_ids(spec, tokenizer)
-        dense = perplexity(model, eval_ids, spec.eval_seq_len, windows)
+        dense = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
         print(f"[{model_name}] dense perplexity {dense:.3f}", flush=True)
         entry = results["models"][model_name] = {
             "spec": vars(spec) | {"eval_windows": windows},
@@ -120,8 +135,38 @@ def main(argv=None) -> int:
     write_json(args.out / "quality.json", results)
     (args.out / "quality.md").write_text(markdown(results))
     plot(results, args.out)
+    plot_gamma_per_layer(results, args.out)
     print(markdown(results))
     return 0
+
+
+def baseline_comparisons(entry) -> list[dict]:
+    """Each ``gamma: auto`` variant against its baseline (``methods.BASELINE_OF``; gamma 1
+    is the baseline) and against the same method at its fixed default gamma, per
+    sparsity: perplexity ratios, the tolerance ``max(s.e.m., 1 %)`` of issue 14, and the
+    pruning-time ratio."""
+    from whisper_modifiers.methods import BASELINE_OF
+
+    rows = []
+    for label, cells in entry["runs"].items():
+        for variant, cell in cells.items():
+            method, _, options = variant.partition(":")
+            if "gamma=auto" not in options:
+                continue
+            baseline = cells.get(BASELINE_OF.get(method, ""))
+            fixed = cells.get(method)
+            if baseline is None:
+                continue
+            tolerance = max(cell["perplexity_sem"], baseline["perplexity_sem"],
+                            0.01 * baseline["perplexity"])  # fmt: skip
+            rows.append({
+                "sparsity": label, "variant": variant, "baseline": BASELINE_OF[method],
+                "ratio_to_baseline": cell["perplexity"] / baseline["perplexity"],
+                "never_worse": cell["perplexity"] <= baseline["perplexity"] + tolerance,
+                "ratio_to_fixed": fixed and cell["perplexity"] / fixed["perplexity"],
+                "time_ratio_to_fixed": fixed and cell["seconds"] / fixed["seconds"],
+            })  # fmt: skip
+    return rows
 
 
 def markdown(results) -> str:
@@ -159,6 +204,25 @@ def markdown(results) -> str:
                     else ["", ""]
                 )
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        comparisons = baseline_comparisons(entry)
+        if comparisons:
+            lines += [
+                "",
+                "`gamma: auto` against its baseline (never worse: perplexity within "
+                "max(s.e.m., 1 %) of the baseline's) and against the same method at its "
+                "fixed default gamma:",
+                "",
+                "| sparsity | variant | baseline | ppl / baseline | never worse | "
+                "ppl / fixed gamma | time / fixed gamma |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for row in comparisons:
+                fixed = row["ratio_to_fixed"]
+                lines.append(
+                    f"| {row['sparsity']} | {row['variant']} | {row['baseline']} | "
+                    f"{row['ratio_to_baseline']:.3f} | {'yes' if row['never_worse'] else 'NO'} | "
+                    + (f"{fixed:.3f} | {row['time_ratio_to_fixed']:.2f}× |" if fixed else "| |")
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -216,6 +280,47 @@ def plot_sparsity_sweep(models, colors, out: Path, plt) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "perplexity_vs_sparsity.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_gamma_per_layer(results, out: Path) -> None:
+    """The gamma ``auto`` chose per layer (gate and up share one), a panel per model and
+    sparsity, a line per variant (mean over seeds, each seed a dot)."""
+    import re
+
+    panels = [(model_name, label, cells) for model_name, entry in results["models"].items()
+              for label, cells in entry["runs"].items()
+              if any(r.get("gamma") for cell in cells.values() for r in cell["runs"])]  # fmt: skip
+    if not panels:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (model_name, label, cells) in zip(axes[0], panels, strict=True):
+        for index, (variant, cell) in enumerate(cells.items()):
+            per_layer = {}
+            for run in cell["runs"]:
+                for name, gamma in (run.get("gamma") or {}).items():
+                    if name.endswith("gate_proj"):
+                        layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+                        per_layer.setdefault(layer, []).append(gamma)
+            if not per_layer:
+                continue
+            layers = sorted(per_layer)
+            color = f"C{index % 10}"
+            ax.plot(layers, [sum(per_layer[i]) / len(per_layer[i]) for i in layers],
+                    color=color, label=variant)  # fmt: skip
+            for i in layers:
+                ax.scatter([i] * len(per_layer[i]), per_layer[i], color=color, s=10, alpha=0.5)
+        ax.set(title=f"{model_name} {label}: chosen gamma per layer", xlabel="layer",
+               ylabel="gamma (gate/up)", yscale="symlog", ylim=(-0.001, 1.1))  # fmt: skip
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "gamma_per_layer.png", dpi=120)
     plt.close(fig)
 
 

@@ -69,6 +69,20 @@ def loop_regularized_hessian(hessian, difference_hessian, gamma):
     return gamma * hessian + (1 - gamma) * (mu / mu_delta) * difference_hessian
 
 
+def loop_regularized_norms(channel_norms, difference, gamma):
+    """gamma ||X_j||^2 + (1 - gamma) (mu / mu_Delta) D, entry by entry; mu and mu_Delta
+    are the plain means of ||X_j||^2 and of D (a vector, or Wisp+'s n x m a^2)."""
+    plain = [float(v) for v in channel_norms.double()]
+    entries = difference.double()
+    flat = [float(v) for v in entries.reshape(-1)]
+    mu, mu_delta = sum(plain) / len(plain), sum(flat) / len(flat)
+    out = torch.zeros(entries.shape, dtype=torch.float64)
+    for index in range(len(flat)):
+        j = index % len(plain)
+        out.view(-1)[index] = gamma * plain[j] + (1 - gamma) * (mu / mu_delta) * flat[index]
+    return out
+
+
 def loop_ria(weight, channel_scale, exponent=0.5):
     """(|W_ij| / sum_i |W_ij| + |W_ij| / sum_j |W_ij|) * c^a, entry by entry."""
     weight = weight.double().abs()

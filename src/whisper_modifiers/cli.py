@@ -107,9 +107,10 @@ def load_recipe(path: Path, model) -> list:
     return modifiers
 
 
-def check_recipe_targets(path: Path, modifiers: list, model) -> None:
+def check_recipe_targets(path: Path, modifiers: list, model, num_sequences: int) -> None:
     """Resolve every ``difference_targets`` of the recipe against ``model``'s modules,
-    and refuse a stock GPTQ after pruning (``check_mask_kept``)."""
+    refuse a stock GPTQ after pruning (``check_mask_kept``) and a ``gamma: auto`` with
+    no held-out sequence."""
     from whisper_modifiers.modifiers import check_mask_kept
 
     try:
@@ -120,6 +121,7 @@ def check_recipe_targets(path: Path, modifiers: list, model) -> None:
         if hasattr(modifier, "check_difference_targets"):
             try:
                 modifier.check_difference_targets(model)
+                modifier.check_calibration_size(num_sequences)
             except ValueError as error:
                 raise UsageError(f"--recipe {path}: {type(modifier).__name__}: {error}") from error
 
@@ -356,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
         ) from error
     skeleton = meta_model(config)
     modifiers = load_recipe(recipe, skeleton)
-    check_recipe_targets(recipe, modifiers, skeleton)
+    check_recipe_targets(recipe, modifiers, skeleton, args.num_sequences)
     layout = storage_layout(args.layout, modifiers)
     for stale in remove_stale_partials(output_dir, started) if writer else ():
         logger.info(f"removed {stale}, left by an interrupted whisper-prune")
@@ -420,11 +422,15 @@ def run(args: argparse.Namespace) -> dict:
             f"the pruned model's perplexity is {report['pruned_perplexity']}: it is broken "
             f"(NaN or inf logits), so it is not saved to {output_dir}"
         )
+    gamma_selection = {name: choice for modifier in modifiers
+                       if hasattr(modifier, "gamma_selection")
+                       for name, choice in modifier.gamma_selection().items()}  # fmt: skip
     record = sparsity_record(
         model,
         modifiers=[type(modifier).__name__ for modifier in modifiers],
         recipe=str(recipe),
         source_model=model_id,
+        **({"gamma_selection": gamma_selection} if gamma_selection else {}),
     )
     report["sparsity"] = record["summary"]["sparsity"]
 

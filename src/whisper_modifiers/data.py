@@ -98,15 +98,20 @@ def sample_sequences(
 
 
 def calibration_dataset(
-    tokenizer, text: str, num_sequences: int, seq_len: int, seed: int = 0
+    tokenizer, text: str, num_sequences: int, seq_len: int, seed: int = 0, bos: bool = False
 ) -> Dataset:
     """A ``datasets.Dataset`` of ``input_ids``/``attention_mask`` rows for ``oneshot``.
 
     Pass it with ``shuffle_calibration_samples=False`` (and ``batch_size=1``) so the
-    order, and hence every seeded pair permutation, is reproducible.
+    order, and hence every seeded pair permutation, is reproducible.  With ``bos`` each
+    row is the tokenizer's BOS followed by ``seq_len - 1`` corpus tokens (Gemma needs it,
+    as ``evaluation.evaluation_windows`` does for evaluation).
     """
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return sequence_dataset(sample_sequences(ids, num_sequences, seq_len, seed))
+    if not bos:
+        return sequence_dataset(sample_sequences(ids, num_sequences, seq_len, seed))
+    sequences = sample_sequences(ids, num_sequences, seq_len - 1, seed)
+    return sequence_dataset([[tokenizer.bos_token_id, *s] for s in sequences])
 
 
 def sequence_dataset(sequences: list[list[int]]) -> Dataset:

@@ -95,6 +95,9 @@ def run_oneshot(model, tokenizer, dataset, recipe, batch_size: int = 1, **kwargs
             f"{len(dataset)} calibration sequences cannot be split over {num_ranks} ranks: "
             "each rank needs at least one (use more sequences or fewer processes)"
         )
+    for modifier in recipe if isinstance(recipe, list) else []:
+        if hasattr(modifier, "check_calibration_size"):
+            modifier.check_calibration_size(len(dataset))
     start, end = distributed.shard_bounds(len(dataset), num_ranks)[distributed.rank()]
     shard = dataset.select(range(start, end)).with_format("torch")
     loader = DataLoader(shard, batch_size=batch_size, shuffle=False,

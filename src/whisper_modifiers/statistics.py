@@ -14,6 +14,8 @@ input dtype, and nothing here imports llmcompressor.
   ``H`` on ``X``; the difference Hessian ``H_Delta`` on ``dX``).
 * ``neuronwise_difference`` -- Wisp+'s ``a_ij`` (Section 3.2).
 * ``regularized_difference_hessian`` -- Whisper's ``H~`` (Section 3.3).
+* ``regularized_difference_norms`` -- its diagonal, the gamma-regularised Wisp / Wisp+
+  statistic.
 * ``nearest_neighbour_differences`` -- the nearest-neighbour pairing of the appendix
   "Sampling approach details".
 * ``scaled_sequence_means`` -- ``sqrt(s) x_bar`` per sequence, from which the centered
@@ -44,6 +46,7 @@ __all__ = [
     "pair_permutations",
     "pairwise_differences",
     "regularized_difference_hessian",
+    "regularized_difference_norms",
 ]
 
 
@@ -200,18 +203,42 @@ def regularized_difference_hessian(
     ``gamma = 1`` returns ``H`` itself (SparseGPT); ``gamma = 0`` the rescaled
     ``H_Delta`` alone.
     """
+    m = hessian.shape[0]
+    return _regularized_mixture(hessian, difference_hessian, gamma,
+                                torch.trace(hessian) / m, torch.trace(difference_hessian) / m,
+                                "difference Hessian")  # fmt: skip
+
+
+def regularized_difference_norms(
+    channel_norms: torch.Tensor, difference_norms: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """The diagonal of Whisper's mixture, for the no-update methods (issue 14):
+    ``gamma ||X_j||^2 + (1 - gamma) (mu / mu_Delta) D``, with ``mu`` the mean of
+    ``||X_j||^2`` and ``mu_Delta`` the mean of ``D``.
+
+    ``D`` is Wisp's ``||dX_j||^2`` (``[m]``; the result is the diagonal of
+    ``regularized_difference_hessian`` on the same scale), or Wisp+'s squared neuronwise
+    statistic ``a_ij^2`` (``[n, m]``; ``mu_Delta`` is then its mean over the layer, the
+    analogue of ``tr(H_Delta) / m``).  The saliency is ``|W_ij|`` times the square root.
+    ``gamma = 1`` returns ``channel_norms`` itself (Wanda).
+    """
+    return _regularized_mixture(channel_norms, difference_norms, gamma,
+                                channel_norms.mean(), difference_norms.mean(),
+                                "difference statistic")  # fmt: skip
+
+
+def _regularized_mixture(plain, difference, gamma: float, mu, mu_delta, what: str):
+    """``gamma plain + (1 - gamma) (mu / mu_Delta) difference``; ``plain`` at gamma 1."""
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
     if gamma == 1.0:
-        return hessian
-    mu = torch.trace(hessian) / hessian.shape[0]
-    mu_delta = torch.trace(difference_hessian) / difference_hessian.shape[0]
+        return plain
     if not mu_delta > 0:
         raise ValueError(
-            "the difference Hessian is zero (all sampled pairs have identical inputs); "
-            "Whisper needs calibration sequences whose tokens differ"
+            f"the {what} is zero (all sampled pairs have identical inputs); the "
+            "difference criteria need calibration sequences whose tokens differ"
         )
-    return gamma * hessian + (1.0 - gamma) * (mu / mu_delta) * difference_hessian
+    return gamma * plain + (1.0 - gamma) * (mu / mu_delta) * difference
 
 
 def nearest_neighbour_differences(x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@
   statistic (default: the MLP gate and up projections, paper Section 3); every other
   targeted module is pruned by the parent's standard method inside the same modifier;
 * seeded pairwise differences formed within each calibration sequence;
+* ``gamma`` and its per-module choice ``gamma: auto`` (``selection``): held-out
+  sequences, candidate solves, and the record of the choice;
 * input validation before any calibration work;
 * module names without llmcompressor 0.14's trailing dot, so that ``ignore: ["lm_head"]``
   and ``$``-anchored regexes match what users expect.
@@ -13,12 +15,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 import zlib
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
-from compressed_tensors.utils import match_named_modules, match_targets
+from compressed_tensors.utils import (
+    align_module_device,
+    get_execution_device,
+    match_named_modules,
+    match_targets,
+)
 from llmcompressor.core import Event, State
 from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
     PRUNABLE_LAYER_TYPES,
@@ -27,10 +35,21 @@ from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
-from whisper_modifiers.modifiers.distributed import sequence_offset
+from whisper_modifiers.modifiers.distributed import (
+    all_reduce_sum,
+    reduce_statistics,
+    sequence_offset,
+    statistic_names,
+)
 from whisper_modifiers.modifiers.validation import (
     SparsityValidation,
     check_finite_activations,
+)
+from whisper_modifiers.selection import (
+    gated_mlp_error,
+    is_held_out,
+    output_error,
+    select_gamma,
 )
 from whisper_modifiers.statistics import (
     accumulate_gram,
@@ -40,9 +59,13 @@ from whisper_modifiers.statistics import (
     scaled_sequence_means,
 )
 
-__all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DifferencePruningBase"]
+__all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DifferencePruningBase", "Gamma"]
 
 DEFAULT_DIFFERENCE_TARGETS = [r"re:.*mlp\.(gate|up)_proj$"]
+GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+Gamma = Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"]
+"""A mixing weight in [0, 1], or ``"auto"``: chosen per module (``selection``)."""
 
 
 class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
@@ -62,13 +85,28 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         Wisp, ``H_c = X_c X_c^T`` for Whisper; not defined for Wisp+).
     :param ignore: as llmcompressor's, but defaults to ``["lm_head"]`` (the paper does
         not prune the LM head, and tied embeddings would be pruned with it).
+    :param gamma: weight of the standard statistic in the mixture with the difference
+        statistic (see each method), or ``"auto"``: chosen per difference module from
+        ``gamma_candidates`` by the held-out error of ``selection`` (a gated MLP's gate
+        and up projections share one choice); the choices are in ``gamma_selection()``
+        and in whisper-prune's ``sparsity_record.json``.
+    :param gamma_candidates: the values ``"auto"`` chooses from (default: the method's
+        ``GAMMA_CANDIDATES``); only with ``gamma: auto``.
+    :param holdout_every: with ``gamma: auto``, every ``holdout_every``-th calibration
+        sequence (global index ``i`` with ``i % holdout_every == holdout_every - 1``) is
+        held out to measure the candidates, then joins the statistics for the final solve.
     """
+
+    GAMMA_CANDIDATES: ClassVar[tuple[float, ...]] = ()
 
     difference_targets: list[str] = Field(default_factory=lambda: list(DEFAULT_DIFFERENCE_TARGETS))
     seed: int = Field(default=0, ge=0)
     num_permutations: int = Field(default=1, ge=1)
     pairing: Literal["random", "nearest", "centered"] = "random"
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    gamma: Gamma = 0.0
+    gamma_candidates: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = None
+    holdout_every: int = Field(default=4, ge=2)
 
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
@@ -76,6 +114,13 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     _last_input: tuple | None = PrivateAttr(default=None)
     _last_differences: torch.Tensor | None = PrivateAttr(default=None)
     _centering: dict[torch.nn.Module, tuple[torch.Tensor, int]] = PrivateAttr(default_factory=dict)
+    _rows: list[int] = PrivateAttr(default_factory=list)
+    _calibrated: set[torch.nn.Module] = PrivateAttr(default_factory=set)
+    _split: tuple | None = PrivateAttr(default=None)
+    _held_inputs: dict[torch.nn.Module, list] = PrivateAttr(default_factory=dict)
+    _gated_mlps: dict[torch.nn.Module, torch.nn.Module] = PrivateAttr(default_factory=dict)
+    _chosen_gammas: dict[torch.nn.Module, float] = PrivateAttr(default_factory=dict)
+    _gamma_record: dict[str, dict] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _validate_pairing(self):
@@ -84,12 +129,38 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 f"num_permutations applies to pairing 'random' only; pairing "
                 f"{self.pairing!r} takes num_permutations: 1"
             )
+        if self.gamma_candidates is not None:
+            if self.gamma != "auto":
+                raise ValueError(
+                    f"gamma_candidates applies to gamma 'auto' only; gamma is {self.gamma!r}"
+                )
+            if not self.gamma_candidates or len(set(self.gamma_candidates)) < len(
+                self.gamma_candidates
+            ):
+                raise ValueError(
+                    f"gamma_candidates must be a non-empty list of distinct values in "
+                    f"[0, 1], got {self.gamma_candidates}"
+                )
         return self
+
+    def check_calibration_size(self, num_sequences: int) -> None:
+        """Refuse ``gamma: auto`` on fewer sequences than one held out (before any work)."""
+        if self.gamma == "auto" and self.difference_targets and num_sequences < self.holdout_every:
+            raise ValueError(
+                f"gamma 'auto' holds out every {self.holdout_every}th calibration sequence "
+                f"(holdout_every) and needs at least {self.holdout_every} sequences; got "
+                f"{num_sequences}"
+            )
+
+    def candidate_gammas(self) -> list[float]:
+        """What ``gamma: auto`` chooses from."""
+        return list(self.gamma_candidates or self.GAMMA_CANDIDATES)
 
     def on_initialize(self, state: State, **kwargs) -> bool:
         from whisper_modifiers.modifiers.masked_gptq import check_mask_kept
 
         check_mask_kept()  # this session's recipe
+        self._gamma_record = dict()
         return super().on_initialize(state, **kwargs)
 
     # -- routing ---------------------------------------------------------------------
@@ -130,6 +201,13 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
             self._module_names[module] = name
             self._module_sparsities[module] = sparsity
             self.register_hook(module, self._calibrate_finite, "forward")
+        for name, module, _ in modules:  # the gated MLP each gate/up projection is part of
+            parent = state.model.get_submodule(name.rpartition(".")[0])
+            if all(hasattr(parent, part) for part in GATED_MLP_PARTS) and module in (
+                parent.gate_proj,
+                parent.up_proj,
+            ):
+                self._gated_mlps[module] = parent
         logger.info(
             f"{type(self).__name__}: difference statistic on "
             f"{len(self._difference_modules)} of {len(modules)} modules"
@@ -137,9 +215,40 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
 
     def _calibrate_finite(self, module, args, output):
         """``calibrate_module``, after refusing NaN or inf inputs (every module, routed
-        to the difference statistic or to the standard method)."""
-        check_finite_activations(self._module_names[module], args[0])
-        return self.calibrate_module(module, args, output)
+        to the difference statistic or to the standard method). With ``gamma: auto`` the
+        held-out sequences of a difference module are stored instead (``selection``)."""
+        x = args[0]
+        check_finite_activations(self._module_names[module], x)
+        first = self._sequences_seen.get(module, sequence_offset())  # global index
+        rows = list(range(first, first + (x.shape[0] if x.dim() == 3 else 1)))
+        self._sequences_seen[module] = rows[-1] + 1
+        self._calibrated.add(module)
+        if self.gamma != "auto" or not self.is_difference_module(module):
+            self._rows = rows
+            return self.calibrate_module(module, args, output)
+        fit_rows, fit, held = self._split_held_out(x, rows)
+        self._held_inputs.setdefault(module, []).extend(held)
+        if fit_rows:
+            self._rows = fit_rows
+            self.calibrate_module(module, (fit,), output)
+
+    def _split_held_out(self, x: torch.Tensor, rows: list[int]):
+        """``(fit rows, their activations, [(index, held-out sequence)]) `` of a hook's
+        input; computed once per input tensor, so modules sharing their input (gate and
+        up) share the very tensors (``input_source``)."""
+        cached = self._split
+        if cached is not None and cached[0]() is x and cached[1] == x._version:
+            return cached[2]
+        sequences = x if x.dim() == 3 else x.unsqueeze(0)
+        held = [b for b, row in enumerate(rows) if is_held_out(row, self.holdout_every)]
+        fit = [b for b in range(len(rows)) if b not in held]
+        split = (
+            [rows[b] for b in fit],
+            x if not held else sequences[fit] if fit else None,
+            [(rows[b], sequences[b].detach().to("cpu", copy=True)) for b in held],
+        )
+        self._split = (weakref.ref(x), x._version, split)
+        return split
 
     def _select_difference_modules(self, modules) -> set[torch.nn.Module]:
         selected = set()
@@ -226,17 +335,15 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         if self.pairing != "random":
             raise RuntimeError(f"pairing {self.pairing!r} forms no explicit pairs")
         module_id = zlib.crc32(self._module_names[module].encode())
-        first = self._sequences_seen.get(module, sequence_offset())  # global index
-        self._sequences_seen[module] = first + x.shape[0]
         return torch.stack(
             [
                 pairwise_differences(
                     sequence,
                     pair_permutations(
-                        x.shape[1], self.num_permutations, (self.seed, module_id, first + b)
+                        x.shape[1], self.num_permutations, (self.seed, module_id, row)
                     ),
                 )
-                for b, sequence in enumerate(x)
+                for row, sequence in zip(self._rows, x, strict=True)
             ]
         )
 
@@ -254,16 +361,125 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
 
     def centered(self, module: torch.nn.Module, uncentered: torch.Tensor) -> torch.Tensor:
         """``uncentered - s x_bar x_bar^T`` (diagonal entries clamped at 0)."""
-        correction, _ = self._centering.pop(module)
+        correction, _ = self._centering[module]
         centered = uncentered - correction.to(uncentered.device)
         if centered.dim() == 1:
             return centered.clamp_min(0)
         centered.diagonal().clamp_(min=0)
         return centered
 
+    # -- gamma: auto -----------------------------------------------------------------
+
+    def gamma_of(self, module: torch.nn.Module) -> float:
+        """The gamma ``module`` is solved with: ``gamma``, or its choice under ``auto``."""
+        return self._chosen_gammas[module] if self.gamma == "auto" else self.gamma
+
+    def gamma_selection(self) -> dict[str, dict]:
+        """Under ``gamma: auto``, per difference module: the chosen ``gamma`` and each
+        candidate's ``held_out_error``; kept after the run (empty otherwise)."""
+        return {name: dict(choice) for name, choice in self._gamma_record.items()}
+
+    def candidate_weight(self, module: torch.nn.Module, gamma: float) -> torch.Tensor:
+        """``module``'s pruned weight at ``gamma`` from the statistics held now, which
+        stay as they are (each method's solver)."""
+        raise NotImplementedError
+
+    def reduce_and_select(self):
+        """Reduce the statistics across ranks (``distributed``); under ``gamma: auto``
+        first choose each difference module's gamma on the held-out sequences with the
+        other sequences' statistics, then fold the held-out sequences in."""
+        if self.gamma != "auto" or not self._difference_modules:
+            return reduce_statistics(self)
+        fit = {name: _copy_statistics(getattr(self, name)) for name in statistic_names()
+               if getattr(self, name, None) is not None}  # fmt: skip
+        held = self._held_inputs
+        self._replay(held)
+        reduce_statistics(self)
+        everything = {name: getattr(self, name) for name in fit}
+        for name, statistics in fit.items():
+            setattr(self, name, statistics)
+        try:
+            reduce_statistics(self)
+            self._select_gammas(held)
+        finally:
+            for name, statistics in everything.items():
+                setattr(self, name, statistics)
+
+    def _replay(self, held: dict[torch.nn.Module, list]):
+        """Calibrate on the held-out sequences, in index order, each module in
+        registration order; modules that shared an input share it again."""
+        self._held_inputs = dict()
+        sequences = {}
+        for module in self._module_names:
+            for row, sequence in held.get(module, []):
+                sequences.setdefault(id(sequence), (row, sequence, []))[2].append(module)
+        for row, sequence, modules in sorted(sequences.values(), key=lambda item: item[0]):
+            batch = sequence.unsqueeze(0).to(get_execution_device(modules[0]))
+            for module in modules:
+                self._rows = [row]
+                self.calibrate_module(module, (batch,), None)
+
+    def _select_gammas(self, held: dict[torch.nn.Module, list]):
+        """Choose gamma for each group of difference modules: a gated MLP's gate and up
+        projections together, any other module alone."""
+        done = set()
+        for module in self._module_names:
+            if module in done or module not in self._calibrated:
+                continue
+            if not self.is_difference_module(module):
+                continue
+            mlp = self._gated_mlps.get(module)
+            group = [module]
+            if mlp is not None:
+                group = [m for m in (mlp.gate_proj, mlp.up_proj) if self.is_difference_module(m)]
+            done.update(group)
+            inputs = [sequence for _, sequence in held.get(group[0], [])]
+            if all_reduce_sum(len(inputs)) == 0:
+                raise ValueError(
+                    f"gamma 'auto' holds out every {self.holdout_every}th calibration "
+                    f"sequence, and {self._module_names[module]} saw none: calibrate on at "
+                    f"least {self.holdout_every} sequences (or lower holdout_every)"
+                )
+            best, errors = select_gamma(
+                self.candidate_gammas(),
+                lambda gamma, group=group: {m: self.candidate_weight(m, gamma) for m in group},
+                lambda pruned, group=group, mlp=mlp, inputs=inputs: self._held_out_error(
+                    group, mlp, inputs, pruned
+                ),
+            )
+            for m in group:
+                self._chosen_gammas[m] = best
+                self._gamma_record[self._module_names[m]] = {
+                    "gamma": best,
+                    "held_out_error": {str(gamma): error for gamma, error in errors.items()},
+                }
+            logger.info(
+                f"{', '.join(self._module_names[m] for m in group)}: gamma {best} "
+                f"(held-out error {errors[best]:.4g}; candidates {errors})"
+            )
+
+    def _held_out_error(self, group, mlp, inputs, pruned: dict) -> float:
+        """The gated MLP block's output error (or the module's own), summed over ranks."""
+        parts = [mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else group
+        with contextlib.ExitStack() as stack:
+            for part in parts:
+                stack.enter_context(align_module_device(part))
+            if mlp is None:
+                (module,) = group
+                local = output_error(inputs, module.weight, pruned[module])
+            else:
+                local = gated_mlp_error(
+                    inputs, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+                    mlp.act_fn, pruned.get(mlp.gate_proj, mlp.gate_proj.weight),
+                    pruned.get(mlp.up_proj, mlp.up_proj.weight),
+                )  # fmt: skip
+        return all_reduce_sum(local)
+
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._last_input = self._last_differences = None  # release the layer's last batch
+        self._split = None
         super().on_sequential_epoch_end(state, event, **kwargs)
+        self._calibrated = set()
 
     def _reset_routing(self):
         self._difference_modules = set()
@@ -272,3 +488,19 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         self._last_input = None
         self._last_differences = None
         self._centering = dict()
+        self._rows = []
+        self._calibrated = set()
+        self._split = None
+        self._held_inputs = dict()
+        self._gated_mlps = dict()
+        self._chosen_gammas = dict()
+
+
+def _copy_statistics(statistics: dict) -> dict:
+    """A copy of a per-module statistic dict whose tensors are not shared."""
+    return {
+        module: value.clone() if isinstance(value, torch.Tensor)
+        else tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in value)
+        if isinstance(value, tuple) else value
+        for module, value in statistics.items()
+    }  # fmt: skip

@@ -28,6 +28,7 @@ __all__ = [
     "DistributedWandaModifier",
     "MEAN_STATISTICS",
     "SUM_STATISTICS",
+    "all_reduce_sum",
     "calibration_shard",
     "distributed_baseline",
     "finish",
@@ -45,6 +46,7 @@ MEAN_STATISTICS = (
     ("_row_scalars", "_num_samples"),  # Wanda's ||X_j||^2 (Wisp's ||dX_j||^2)
     ("_hessians", "_num_samples"),  # SparseGPT's H
     ("_difference_hessians", "_difference_samples"),  # Whisper's H_Delta
+    ("_plain_norms", "_plain_counts"),  # gamma-regularised Wisp / Wisp+'s ||X_j||^2
 )
 """``(statistic dict, count dict)`` attributes of modifiers that keep running means over
 sequences; a count dict is reduced once, after every statistic that uses it."""
@@ -138,6 +140,13 @@ def _reduce_mean(mean: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
     total = int(_all_reduce(torch.tensor([count], dtype=torch.float64)).item())
     weighted = _all_reduce(mean.to(torch.float64) * count)
     return (weighted / max(total, 1)).to(mean.dtype), total
+
+
+def all_reduce_sum(value: float) -> float:
+    """``value`` summed over ranks, in float64 (itself in one process)."""
+    if not is_distributed():
+        return value
+    return float(_all_reduce(torch.tensor([value], dtype=torch.float64)).item())
 
 
 def reduce_statistics(modifier) -> None:

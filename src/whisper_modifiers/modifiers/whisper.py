@@ -10,16 +10,17 @@ from compressed_tensors.utils import (
 )
 from llmcompressor.core import State
 from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
-from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import make_empty_hessian
+from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import (
+    make_empty_hessian,
+    sparsify_weight,
+)
 from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
 from pydantic import Field, PrivateAttr
 
-from whisper_modifiers.modifiers.base import DifferencePruningBase
-from whisper_modifiers.modifiers.distributed import (
-    reduce_statistics,
-    solve_on_owners,
-)
+from whisper_modifiers.modifiers.base import DifferencePruningBase, Gamma
+from whisper_modifiers.modifiers.distributed import solve_on_owners
+from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import alps_prune
 from whisper_modifiers.statistics import accumulate_gram, regularized_difference_hessian
 
@@ -48,10 +49,14 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     ```
 
     :param gamma: weight of the standard Hessian ``H`` in ``H~``, in [0, 1]; 0.01 in the
-        paper.  At small scale a larger value (0.1) can matter (see README).
+        paper.  At small scale a larger value (0.1) can matter (see README).  ``"auto"``
+        chooses it per gate/up pair from ``gamma_candidates`` (default 0.01, 0.1, 0.3 and
+        1, i.e. SparseGPT) by the MLP block's error on held-out calibration sequences
+        (``whisper_modifiers.selection``).
     """
 
-    gamma: float = Field(default=0.01, ge=0.0, le=1.0)
+    GAMMA_CANDIDATES = WHISPER_GAMMA_CANDIDATES
+    gamma: Gamma = 0.01
 
     _difference_hessians: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
     _difference_samples: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
@@ -83,9 +88,10 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     def compress_modules(self):
         """Form ``H~`` for each difference module, then run SparseGPT's solver on all
         (statistics reduced across ranks first, each module solved on one rank)."""
-        reduce_statistics(self)
+        self.reduce_and_select()
         for module in list(self._centering):
             self._difference_hessians[module] = self.centered(module, self._hessians[module])
+            del self._centering[module]
         for module, source in self._pair_sources.items():
             if source is not module and source in self._difference_hessians:  # this layer
                 self._hessians[module] = self._hessians[source].clone()
@@ -96,10 +102,30 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             self._difference_samples.pop(module, None)
             hessian = self._hessians[module]
             self._hessians[module] = regularized_difference_hessian(
-                hessian, difference_hessian.to(hessian.device), self.gamma
+                hessian, difference_hessian.to(hessian.device), self.gamma_of(module)
             )
         modules = [m for m in self._module_names if m in self._num_samples]
         solve_on_owners(self, modules, self.solve)
+
+    def regularized_hessian(self, module, gamma: float) -> torch.Tensor:
+        """A new ``H~`` of ``module`` at ``gamma`` from the statistics held now (its
+        input source's when the input is shared), on its execution device."""
+        source = self._pair_sources.get(module, module)
+        hessian = self._hessians[source].to(get_execution_device(module))
+        if source in self._centering:
+            difference_hessian = self.centered(source, hessian)
+        else:
+            difference_hessian = self._difference_hessians[source].to(hessian.device)
+        return regularized_difference_hessian(hessian, difference_hessian, gamma).clone()
+
+    def candidate_weight(self, module, gamma: float) -> torch.Tensor:
+        """SparseGPT's solve with ``H~`` at ``gamma`` (the weight is not written)."""
+        with torch.no_grad(), align_module_device(module):
+            return sparsify_weight(
+                module, {module: self.regularized_hessian(module, gamma)},
+                self._module_sparsities[module], self._prune_n, self._prune_m,
+                self.block_size, self.dampening_frac, self.preserve_sparsity_mask,
+            )[1]  # fmt: skip
 
     def solve(self):
         """Prune every calibrated module with its Hessian: SparseGPT's solver."""
@@ -145,22 +171,30 @@ class ALPSWhisperModifier(WhisperModifier):
             count = self._num_samples.pop(module)
             logger.info(f"Sparsifying {name} with ALPS using {count} samples")
             with torch.no_grad(), align_module_device(module), CompressionLogger(module):
-                result = alps_prune(
-                    module.weight,
-                    hessian.to(module.weight.device),
-                    self._module_sparsities[module],
-                    self._prune_n,
-                    self._prune_m,
-                    ridge_frac=self.dampening_frac,
-                    rho=self.alps_rho,
-                    max_iter=self.alps_max_iter,
-                    cg_iter=self.alps_cg_iter,
-                )
+                result = self._alps(module, hessian)
             logger.info(
                 f"{name}: ALPS {result.iterations} ADMM iterations, relative "
                 f"reconstruction error {result.objective:.4g}"
             )
             update_offload_parameter(module, "weight", result.weight)
+
+    def candidate_weight(self, module, gamma: float) -> torch.Tensor:
+        """ALPS with ``H~`` at ``gamma`` (the weight is not written)."""
+        with torch.no_grad(), align_module_device(module):
+            return self._alps(module, self.regularized_hessian(module, gamma)).weight
+
+    def _alps(self, module, hessian: torch.Tensor):
+        return alps_prune(
+            module.weight,
+            hessian.to(module.weight.device),
+            self._module_sparsities[module],
+            self._prune_n,
+            self._prune_m,
+            ridge_frac=self.dampening_frac,
+            rho=self.alps_rho,
+            max_iter=self.alps_max_iter,
+            cg_iter=self.alps_cg_iter,
+        )
 
 
 class ALPSModifier(ALPSWhisperModifier):

@@ -14,15 +14,14 @@ from loguru import logger
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase
-from whisper_modifiers.modifiers.distributed import (
-    reduce_statistics,
-    solve_on_owners,
-)
+from whisper_modifiers.modifiers.distributed import solve_on_owners
+from whisper_modifiers.selection import WISP_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import prune_by_score, ria_scores, wanda_scores
 from whisper_modifiers.statistics import (
     accumulate_channel_norms,
     mapping_difficulty,
     neuronwise_difference,
+    regularized_difference_norms,
 )
 
 __all__ = [
@@ -54,21 +53,44 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
           seed: 0
     ```
 
-    Fields: those of ``WandaPruningModifier`` plus ``difference_targets``, ``seed`` and
-    ``num_permutations`` (see ``DifferencePruningBase``), and
+    Fields: those of ``WandaPruningModifier`` plus ``difference_targets``, ``seed``,
+    ``num_permutations``, ``gamma_candidates`` and ``holdout_every`` (see
+    ``DifferencePruningBase``), and
     :param comparison_group: ``"row"`` (Wanda: every output row to the same sparsity) or
         ``"layer"`` (one threshold for the whole matrix); N:M ignores it.
+    :param gamma: the gamma-regularised Wisp, ``S_ij = |W_ij| sqrt(gamma ||X_j||^2 +
+        (1 - gamma) (mu / mu_Delta) ||dX_j||^2)``: the diagonal of Whisper's ``H~``
+        (``statistics.regularized_difference_norms``).  0 (default) is Wisp, 1 is
+        Wanda, both exactly; ``"auto"`` chooses per gate/up pair from 0, 0.1, 0.3 and 1 by
+        the MLP block's error on held-out calibration sequences (``selection``).
     """
 
+    GAMMA_CANDIDATES = WISP_GAMMA_CANDIDATES
     comparison_group: Literal["row", "layer"] = "row"
 
+    _plain_norms: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
+    _plain_counts: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
+
     def calibrate_module(self, module, args, _output):
-        if not self.is_difference_module(module):
-            return super().calibrate_module(module, args, _output)
+        if not self.is_difference_module(module) or self.gamma == 1:
+            return WandaPruningModifier.calibrate_module(self, module, args, _output)
         if self.pairing == "centered":  # ||X_c,j||^2 = ||X_j||^2 - s x_bar_j^2
-            super().calibrate_module(module, args, _output)
+            WandaPruningModifier.calibrate_module(self, module, args, _output)
             return self.accumulate_centering(module, args[0], accumulate_channel_norms)
+        self._accumulate_plain_norms(module, args[0])
         self._accumulate_difference_norms(module, self.sequence_differences(module, args[0]))
+
+    def _accumulate_plain_norms(self, module, x: torch.Tensor):
+        """Wanda's ``||X_j||^2`` beside the difference statistic, for a mixture
+        (``gamma`` neither 0 nor 1)."""
+        if self.gamma == 0:
+            return
+        if module not in self._plain_counts:
+            self._plain_norms[module] = make_empty_row_scalars(module, x.device)
+            self._plain_counts[module] = 0
+        self._plain_norms[module], self._plain_counts[module] = accumulate_channel_norms(
+            self._plain_norms[module], self._plain_counts[module], x
+        )
 
     def _accumulate_difference_norms(self, module, differences: torch.Tensor):
         if module not in self._num_samples:
@@ -83,39 +105,72 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         return wanda_scores(weight, channel_scale)
 
     def compress_modules(self):
-        """Reduce the statistics across ranks (torchrun), then prune each module on one
-        rank (``distributed``); in one process, just ``solve``."""
-        reduce_statistics(self)
+        """Reduce the statistics across ranks (torchrun) and choose gamma (``auto``),
+        then prune each module on one rank (``distributed``); in one process, just
+        ``solve``."""
+        self.reduce_and_select()
         calibrated = set(self._num_samples) | set(getattr(self, "_neuronwise_counts", {}))
         modules = [m for m in self._module_names if m in calibrated]
         solve_on_owners(self, modules, self.solve)
 
+    def channel_statistic(self, module, gamma: float) -> torch.Tensor:
+        """The statistic under ``|W_ij|`` in the saliency, from the statistics held now:
+        ``||X_j||`` (Wanda), ``||dX_j||`` or ``||X_c,j||`` (Wisp), or their mixture at
+        ``gamma`` (``regularized_difference_norms``)."""
+        norms = self._row_scalars[module]
+        if module in self._centering:
+            plain, difference = norms, self.centered(module, norms)
+        elif module in self._plain_norms:
+            plain, difference = self._plain_norms[module], norms
+        else:  # Wanda's module, or gamma 0 or 1: one statistic
+            return norms.sqrt()
+        if gamma == 0:
+            return difference.sqrt()
+        return regularized_difference_norms(plain.to(norms.device), difference, gamma).sqrt()
+
     def solve(self):
         """Prune every module left with statistics."""
         for module in list(self._num_samples):
-            count = self._num_samples.pop(module)
-            squared_norms = self._row_scalars.pop(module)
-            if module in self._centering:
-                squared_norms = self.centered(module, squared_norms)
-            self._prune(module, squared_norms.sqrt(), count)
+            count = self._num_samples[module]
+            statistic = self.channel_statistic(module, self._gamma_or_none(module))
+            self._drop_statistics(module)
+            self._prune(module, statistic, count)
 
-    def _prune(self, module, channel_scale: torch.Tensor, count: int):
+    def _gamma_or_none(self, module):
+        return self.gamma_of(module) if self.is_difference_module(module) else None
+
+    def _drop_statistics(self, module):
+        for statistics in (self._num_samples, self._row_scalars, self._plain_norms,
+                           self._plain_counts, self._centering):  # fmt: skip
+            statistics.pop(module, None)
+
+    def candidate_weight(self, module, gamma: float) -> torch.Tensor:
+        """The pruned weight at ``gamma`` (not written)."""
+        with torch.no_grad(), align_module_device(module):
+            return self._pruned(module, self.channel_statistic(module, gamma))
+
+    def _pruned(self, module, statistic: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        return prune_by_score(
+            weight,
+            self.scores(weight, statistic.to(weight.device)),
+            self._module_sparsities[module],
+            self._prune_n,
+            self._prune_m,
+            self.comparison_group,
+        )
+
+    def _prune(self, module, statistic: torch.Tensor, count: int):
         name = self._module_names[module]
         logger.info(f"Sparsifying {name} using {count} samples")
         with torch.no_grad(), align_module_device(module), CompressionLogger(module):
-            weight = module.weight
-            pruned = prune_by_score(
-                weight,
-                self.scores(weight, channel_scale.to(weight.device)),
-                self._module_sparsities[module],
-                self._prune_n,
-                self._prune_m,
-                self.comparison_group,
-            )
+            pruned = self._pruned(module, statistic)
         update_offload_parameter(module, "weight", pruned)
 
     def on_finalize(self, state: State, **kwargs) -> bool:
         self._reset_routing()
+        self._plain_norms = dict()
+        self._plain_counts = dict()
         return super().on_finalize(state, **kwargs)
 
 
@@ -167,9 +222,10 @@ class WispPlusModifier(WispModifier):
         return self
 
     def calibrate_module(self, module, args, _output):
-        if not self.is_difference_module(module):
+        if not self.is_difference_module(module) or self.gamma == 1:
             return WandaPruningModifier.calibrate_module(self, module, args, _output)
         differences = self.sequence_differences(module, args[0])
+        self._accumulate_plain_norms(module, args[0])
         self._neuronwise_counts.setdefault(module, 0)
         specializing = self.specialized_fraction < 1
         if specializing:
@@ -184,25 +240,41 @@ class WispPlusModifier(WispModifier):
                     _add(self._difficulty_sums, module, mapping_difficulty(module.weight, sequence))
                 self._neuronwise_counts[module] += 1
 
+    def channel_statistic(self, module, gamma: float) -> torch.Tensor:
+        """Wisp+'s ``a_ij`` (with Wisp's rows for the easier neurons when
+        ``specialized_fraction < 1``), or its mixture with ``||X_j||^2`` at ``gamma``:
+        ``sqrt(gamma ||X_j||^2 + (1 - gamma) (mu / mu_a) a_ij^2)``
+        (``regularized_difference_norms``); other modules as Wisp's."""
+        if module not in self._neuronwise_counts:
+            return super().channel_statistic(module, gamma)
+        count = self._neuronwise_counts[module]
+        if count == 0:
+            raise ValueError(
+                f"{self._module_names[module]}: every sampled pair of every calibration "
+                "sequence had zero input distance, so Wisp+ has no pair to select"
+            )
+        statistic = self._neuronwise_sums[module] / count
+        if self.specialized_fraction < 1:
+            statistic = self._specialize(module, statistic)
+        if gamma == 0 or module not in self._plain_norms:
+            return statistic
+        plain = self._plain_norms[module].to(statistic.device)
+        return regularized_difference_norms(plain, statistic.square(), gamma).sqrt()
+
     def solve(self):
         for module in list(self._neuronwise_counts):
+            statistic = self.channel_statistic(module, self.gamma_of(module))
             count = self._neuronwise_counts.pop(module)
-            if count == 0:
-                raise ValueError(
-                    f"{self._module_names[module]}: every sampled pair of every calibration "
-                    "sequence had zero input distance, so Wisp+ has no pair to select"
-                )
-            statistic = self._neuronwise_sums.pop(module) / count
-            if self.specialized_fraction < 1:
-                statistic = self._specialize(module, statistic)
+            for statistics in (self._neuronwise_sums, self._difficulty_sums):
+                statistics.pop(module, None)
+            self._drop_statistics(module)
             self._prune(module, statistic, count)
         super().solve()
 
     def _specialize(self, module, neuronwise: torch.Tensor) -> torch.Tensor:
         """Wisp+'s rows for the most difficult neurons, Wisp's for the rest."""
-        difficulty = self._difficulty_sums.pop(module)
-        self._num_samples.pop(module)
-        wisp = self._row_scalars.pop(module).sqrt().to(neuronwise.device)
+        difficulty = self._difficulty_sums[module]
+        wisp = self._row_scalars[module].sqrt().to(neuronwise.device)
         statistic = wisp.expand_as(neuronwise).clone()
         specialized = difficulty.topk(round(self.specialized_fraction * len(difficulty))).indices
         statistic[specialized] = neuronwise[specialized]

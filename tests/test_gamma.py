@@ -1,0 +1,319 @@
+"""The gamma-regularised Wisp / Wisp+ and ``gamma: auto`` (issue 14)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from llmcompressor.modifiers.pruning import WandaPruningModifier
+from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import sparsify_weight
+
+from conftest import linear_weights, load_model
+from reference import (
+    loop_channel_norms,
+    loop_differences,
+    loop_neuronwise,
+    loop_regularized_hessian,
+    loop_regularized_norms,
+)
+from test_modifiers import (
+    LAYER0,
+    STOCK_IGNORE,
+    TWO_FOUR,
+    assert_same_weights,
+    calibration_inputs,
+    permutations_used,
+    record_inputs,
+    two_four_mask,
+)
+from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
+from whisper_modifiers.selection import (
+    choose_gamma,
+    gated_mlp_error,
+    is_held_out,
+    output_error,
+    select_gamma,
+)
+from whisper_modifiers.statistics import (
+    accumulate_gram,
+    pair_permutations,
+    pairwise_differences,
+    regularized_difference_hessian,
+    regularized_difference_norms,
+)
+
+GATE_UP = [f"model.layers.{i}.mlp.{part}" for i in range(5) for part in ("gate_proj", "up_proj")]
+
+# -- the statistic ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(12,), (5, 12)])
+def test_regularized_norms_against_the_loop_reference(shape):
+    generator = torch.Generator().manual_seed(0)
+    norms = torch.rand(12, generator=generator, dtype=torch.float64) * 3
+    difference = torch.rand(shape, generator=generator, dtype=torch.float64)
+    for gamma in (0.0, 0.01, 0.3):
+        torch.testing.assert_close(
+            regularized_difference_norms(norms, difference, gamma),
+            loop_regularized_norms(norms, difference, gamma),
+        )
+    assert regularized_difference_norms(norms, difference, 1.0) is norms
+    with pytest.raises(ValueError, match="gamma must lie in"):
+        regularized_difference_norms(norms, difference, -0.5)
+    with pytest.raises(ValueError, match="difference statistic is zero"):
+        regularized_difference_norms(norms, torch.zeros(shape, dtype=torch.float64), 0.5)
+
+
+def test_regularized_norms_are_the_diagonal_of_whispers_hessian():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 8, generator=generator, dtype=torch.float64)
+    dx = torch.randn(40, 8, generator=generator, dtype=torch.float64)
+    hessian, difference_hessian = x.t() @ x, dx.t() @ dx
+    for gamma in (0.0, 0.2, 0.9):
+        torch.testing.assert_close(
+            regularized_difference_norms(hessian.diagonal(), difference_hessian.diagonal(), gamma),
+            loop_regularized_hessian(hessian, difference_hessian, gamma).diagonal(),
+        )
+
+
+# -- exact equivalences ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ours", [WispModifier, WispPlusModifier])
+@pytest.mark.parametrize("structure", [TWO_FOUR, {"sparsity": 0.6}])
+def test_gamma_one_is_wanda_bit_for_bit(run_oneshot, ours, structure):
+    wanda = linear_weights(run_oneshot([WandaPruningModifier(ignore=STOCK_IGNORE, **structure)]))
+    assert_same_weights(linear_weights(run_oneshot([ours(gamma=1.0, **structure)])), wanda)
+
+
+@pytest.mark.parametrize("ours", [WispModifier, WispPlusModifier])
+def test_gamma_zero_is_the_default_method_bit_for_bit(run_oneshot, ours):
+    assert ours.model_fields["gamma"].default == 0.0
+    default = linear_weights(run_oneshot([ours(**TWO_FOUR)]))
+    assert_same_weights(linear_weights(run_oneshot([ours(gamma=0.0, **TWO_FOUR)])), default)
+    mixed = linear_weights(run_oneshot([ours(gamma=0.3, **TWO_FOUR)]))
+    assert not torch.equal(mixed[f"{LAYER0}.mlp.gate_proj"], default[f"{LAYER0}.mlp.gate_proj"])
+
+
+def test_wisp_mixture_against_the_loop_reference(run_oneshot):
+    """Layer 0's gate mask at gamma 0.3 from the inputs it received: |W_ij| sqrt(0.3
+    ||X_j||^2 + 0.7 (mu / mu_Delta) ||dX_j||^2), every piece from the loop reference."""
+    name = f"{LAYER0}.mlp.gate_proj"
+    model = load_model()
+    dense = model.get_submodule(name).weight.detach().clone()
+    inputs = record_inputs(model, [name])
+    run_oneshot([WispModifier(gamma=0.3, **TWO_FOUR)], model=model)
+    sequences = [x[0] for x in calibration_inputs(inputs[name])]
+    differences = [
+        loop_differences(x, permutations_used(name, i, x.shape[0])) for i, x in enumerate(sequences)
+    ]
+    statistic = loop_regularized_norms(
+        loop_channel_norms([sequences]), loop_channel_norms([differences]), 0.3
+    )
+    expected = two_four_mask(dense.double().abs() * statistic.sqrt())
+    assert torch.equal(model.get_submodule(name).weight == 0, expected)
+
+
+def test_wisp_plus_mixture_against_the_loop_reference(run_oneshot):
+    name = f"{LAYER0}.mlp.up_proj"
+    model = load_model()
+    dense = model.get_submodule(name).weight.detach().clone()
+    inputs = record_inputs(model, [name])
+    run_oneshot([WispPlusModifier(gamma=0.5, pair_fraction=0.05, **TWO_FOUR)], model=model)
+    sequences = [x[0] for x in calibration_inputs(inputs[name])]
+    neuronwise = sum(
+        loop_neuronwise(dense, loop_differences(x, permutations_used(name, i, x.shape[0])), 0.05)
+        for i, x in enumerate(sequences)
+    ) / len(sequences)
+    statistic = loop_regularized_norms(loop_channel_norms([sequences]), neuronwise**2, 0.5)
+    expected = two_four_mask(dense.double().abs() * statistic.sqrt())
+    assert torch.equal(model.get_submodule(name).weight == 0, expected)
+
+
+# -- gamma: auto -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ours", [WispModifier, WispPlusModifier, WhisperModifier], ids=lambda c: c.__name__
+)
+def test_auto_is_deterministic_and_recorded(run_oneshot, ours):
+    runs = []
+    for _ in range(2):
+        modifier = ours(gamma="auto", **TWO_FOUR)
+        weights = linear_weights(run_oneshot([modifier]))
+        runs.append((weights, modifier.gamma_selection()))
+    assert_same_weights(runs[0][0], runs[1][0])
+    selection = runs[0][1]
+    assert selection == runs[1][1]
+    assert sorted(selection) == sorted(GATE_UP)
+    candidates = [str(gamma) for gamma in ours.GAMMA_CANDIDATES]
+    for i in range(5):
+        gate, up = (selection[f"model.layers.{i}.mlp.{part}"] for part in ("gate_proj", "up_proj"))
+        assert gate == up  # one choice for the gated pair
+        assert list(gate["held_out_error"]) == candidates
+        assert gate["gamma"] == choose_gamma(
+            {float(g): e for g, e in gate["held_out_error"].items()}
+        )
+    for name, weight in runs[0][0].items():
+        if "layers" in name:
+            assert torch.equal(weight == 0, two_four_mask(weight.abs() + (weight != 0)))
+
+
+def test_auto_with_one_candidate_is_that_gamma(run_oneshot):
+    """The held-out sequences join the statistics for the final solve: one candidate
+    gives the fixed-gamma model (the same sums, in another order)."""
+    auto = linear_weights(run_oneshot([WhisperModifier(gamma="auto", gamma_candidates=[0.1],
+                                                       **TWO_FOUR)]))  # fmt: skip
+    fixed = linear_weights(run_oneshot([WhisperModifier(gamma=0.1, **TWO_FOUR)]))
+    for name in fixed:
+        torch.testing.assert_close(auto[name], fixed[name], rtol=1e-3, atol=1e-4)
+    auto = linear_weights(run_oneshot([WispModifier(gamma="auto", gamma_candidates=[0.3],
+                                                    **TWO_FOUR)]))  # fmt: skip
+    fixed = linear_weights(run_oneshot([WispModifier(gamma=0.3, **TWO_FOUR)]))
+    agreement = [float(((auto[n] == 0) == (fixed[n] == 0)).float().mean()) for n in fixed]
+    assert min(agreement) >= 0.999
+
+
+def test_held_out_sequences_are_every_kth_global_index():
+    assert [i for i in range(12) if is_held_out(i, 4)] == [3, 7, 11]
+    assert [i for i in range(6) if is_held_out(i, 2)] == [1, 3, 5]
+
+
+def test_auto_batch_size_does_not_change_the_choice(run_oneshot):
+    one = WhisperModifier(gamma="auto", **TWO_FOUR)
+    four = WhisperModifier(gamma="auto", **TWO_FOUR)
+    run_oneshot([one])
+    run_oneshot([four], batch_size=4)
+    assert {n: c["gamma"] for n, c in one.gamma_selection().items()} == {
+        n: c["gamma"] for n, c in four.gamma_selection().items()
+    }
+
+
+def _constructed_gated_mlp(offsets_fit, offsets_held, seed=0):
+    """A gated MLP (m=32 -> n=64 -> d=16) and its inputs: 48 fit and 8 held-out
+    sequences of 64 tokens, token noise 0.3 plus an offset on one channel of every group
+    of four (``offsets_*()`` gives each sequence's)."""
+    generator = torch.Generator().manual_seed(seed)
+    m, n, d, tokens = 32, 64, 16, 64
+    gate, up = torch.randn(n, m, generator=generator), torch.randn(n, m, generator=generator)
+    down = torch.randn(d, n, generator=generator)
+    channels = torch.zeros(m)
+    channels[::4] = 1
+
+    def sequences(count, offsets):
+        return [
+            0.3 * torch.randn(tokens, m, generator=generator) + offsets(generator) * channels
+            for _ in range(count)
+        ]
+
+    return (gate, up, down), sequences(48, offsets_fit), sequences(8, offsets_held)
+
+
+def _choose(weights, fit, held, candidates):
+    """Whisper's gamma: auto on one constructed gated MLP, with the package's pieces:
+    statistics of the fit sequences, SparseGPT's solve with H~ per candidate, and the
+    held-out MLP output error."""
+    gate, up, down = weights
+    m = gate.shape[1]
+    hessian, difference_hessian, count, difference_count = (torch.zeros(m, m), torch.zeros(m, m),
+                                                            0, 0)  # fmt: skip
+    for index, x in enumerate(fit):
+        hessian, count = accumulate_gram(hessian, count, x)
+        pairs = pairwise_differences(x, pair_permutations(x.shape[0], 1, (0, 0, index)))
+        difference_hessian, difference_count = accumulate_gram(
+            difference_hessian, difference_count, pairs
+        )
+
+    def prune(gamma):
+        mixed = regularized_difference_hessian(hessian, difference_hessian, gamma)
+        pruned = {}
+        for name, weight in (("gate", gate), ("up", up)):
+            layer = torch.nn.Linear(m, weight.shape[0], bias=False)
+            layer.weight.data.copy_(weight)
+            pruned[name] = sparsify_weight(layer, {layer: mixed.clone()}, 0.5, 2, 4, 128, 0.01,
+                                           False)[1]  # fmt: skip
+        return pruned
+
+    def error(pruned):
+        return gated_mlp_error(held, gate, up, down, F.silu, pruned["gate"], pruned["up"])
+
+    return select_gamma(candidates, prune, error)
+
+
+def test_auto_finds_the_known_gamma_on_a_constructed_layer():
+    """Two layers where the right gamma is known.
+
+    * Every sequence, held out or not, carries the same large offset on a quarter of the
+      channels: the difference Hessian cannot see it (it cancels in every pair), so
+      pruning by it drops the weights that carry the offset. The plain Hessian, gamma = 1
+      (SparseGPT), is right.
+    * Each fit sequence carries its own random offset there, and held-out sequences none:
+      the plain Hessian spends the 2:4 budget on offsets that do not come back. The
+      difference Hessian (offsets cancel within a sequence) describes the held-out
+      sequences, so gamma = 0 is right.
+    """
+    candidates = [0.0, 0.1, 0.3, 1.0]
+    for seed in range(3):
+        weights, fit, held = _constructed_gated_mlp(lambda g: 3.0, lambda g: 3.0, seed)
+        best, errors = _choose(weights, fit, held, candidates)
+        assert best == 1.0, errors
+        assert errors[1.0] < 0.8 * errors[0.3], errors
+        weights, fit, held = _constructed_gated_mlp(
+            lambda g: 5.0 * torch.randn(32, generator=g), lambda g: 0.0, seed
+        )
+        best, errors = _choose(weights, fit, held, candidates)
+        assert best == 0.0, errors
+        assert errors[0.0] < 0.8 * errors[1.0], errors
+
+
+def test_output_error_and_ties():
+    x = [torch.eye(3)]
+    weight = torch.arange(6.0).reshape(2, 3)
+    pruned = weight * torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    assert output_error(x, weight, pruned) == 1.0 + 9.0
+    assert choose_gamma({0.1: 2.0, 1.0: 2.0, 0.3: 3.0}) == 1.0  # a tie goes to the baseline
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"gamma": "best"}, "gamma"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"gamma": 0.1, "gamma_candidates": [0.1, 1.0]}, "gamma_candidates applies to gamma"),
+        ({"gamma": "auto", "gamma_candidates": [0.1, 0.1]}, "distinct values in"),
+        ({"gamma": "auto", "gamma_candidates": []}, "non-empty list"),
+        ({"gamma": "auto", "gamma_candidates": [2.0]}, "gamma_candidates"),
+        ({"gamma": "auto", "holdout_every": 1}, "holdout_every"),
+    ],
+)
+@pytest.mark.parametrize("ours", [WispModifier, WhisperModifier], ids=lambda c: c.__name__)
+def test_bad_gamma_fields(ours, fields, message):
+    with pytest.raises(ValueError, match=message):
+        ours(**fields, **TWO_FOUR)
+
+
+def test_auto_needs_a_held_out_sequence(run_oneshot, calibration):
+    with pytest.raises(ValueError, match="holdout_every.*at least 4 sequences; got 3"):
+        run_oneshot([WhisperModifier(gamma="auto", **TWO_FOUR)],
+                    dataset=calibration.select(range(3)))  # fmt: skip
+
+
+def test_whisper_prune_records_the_choices(tmp_path):
+    from test_cli import FAST
+    from whisper_modifiers.cli import main
+
+    recipe = tmp_path / "auto.yaml"
+    recipe.write_text(
+        "sparsity_stage:\n  sparsity_modifiers:\n    WhisperModifier:\n"
+        '      sparsity: 0.5\n      mask_structure: "2:4"\n      gamma: auto\n'
+    )
+    out = tmp_path / "out"
+    assert main([*FAST, "--recipe", str(recipe), "--output-dir", str(out)]) == 0
+    record = json.loads((out / "sparsity_record.json").read_text())
+    assert sorted(record["gamma_selection"]) == sorted(GATE_UP)
+    assert {c["gamma"] for c in record["gamma_selection"].values()} <= {0.01, 0.1, 0.3, 1.0}
