@@ -179,9 +179,9 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                  cache=None) -> dict:  # fmt: skip
     """Prune and evaluate every (sparsity, variant, seed) into ``table``
     (``{sparsity label: {variant: cell}}``, a cell holding the runs and mean +- s.e.m.);
-    ``on_cell()`` is called after each cell. ``cache`` (a dict, ``run_key`` -> run) holds
-    runs already done: a variant that builds the same recipe as one run before is not
-    run again."""
+    ``on_cell()`` is called after each cell and each new run. ``cache`` (a dict,
+    ``run_key`` -> run) holds runs already done: a variant that builds the same recipe as
+    one run before is not run again."""
     from whisper_modifiers.methods import build_recipe
 
     table = {} if table is None else table
@@ -201,6 +201,8 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                     ppl = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
                     cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
                                   "peak_bytes": memory, "gamma": chosen_gammas(recipe)}  # fmt: skip
+                    if on_cell is not None:
+                        on_cell()  # the cache keeps each finished run
                 runs.append(cache[key])
                 print(f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl "
                       f"{runs[-1]['perplexity']:.3f}  {runs[-1]['seconds']:.1f} s",

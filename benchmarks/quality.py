@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -157,8 +158,9 @@ def baseline_comparisons(entry) -> list[dict]:
             fixed = cells.get(method)
             if baseline is None:
                 continue
-            tolerance = max(cell["perplexity_sem"], baseline["perplexity_sem"],
-                            0.01 * baseline["perplexity"])  # fmt: skip
+            sems = [x for x in (cell["perplexity_sem"], baseline["perplexity_sem"])
+                    if not math.isnan(x)]  # one seed: no s.e.m.  # fmt: skip
+            tolerance = max([*sems, 0.01 * baseline["perplexity"]])
             rows.append({
                 "sparsity": label, "variant": variant, "baseline": BASELINE_OF[method],
                 "ratio_to_baseline": cell["perplexity"] / baseline["perplexity"],

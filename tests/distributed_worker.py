@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR  # noqa: E402
 
-METHODS = ("wisp", "wisp_plus", "whisper", "sparsegpt", "wanda")
+METHODS = ("wisp", "wisp_plus", "whisper", "sparsegpt", "wanda", "whisper:gamma=auto",
+           "wisp:gamma=auto")  # fmt: skip
 SPARSITIES = (("2:4", 0.5, "2:4"), ("0.5", 0.5, "0:0"))
 
 
@@ -64,7 +65,9 @@ def main() -> int:
         for label, sparsity, structure in SPARSITIES:
             pairs.clear()
             model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
-            recipe = build_recipe(method, sparsity, structure, seed=0)
+            name, _, gamma = method.partition(":gamma=")
+            options = {"gamma": gamma} if gamma else {}
+            recipe = build_recipe(name, sparsity, structure, seed=0, **options)
             run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size)
             everyone = [None] * distributed.world_size()
             if distributed.is_distributed():
@@ -81,7 +84,9 @@ def main() -> int:
                 "pairs": {key: value for part in everyone for key, value in part.items()},
                 "pairs_per_rank": [len(part) for part in everyone],
                 "perplexity": perplexity(model, heldout, 64, 8),
-            }
+                "gamma": {name: choice["gamma"] for name, choice in
+                          getattr(recipe[0], "gamma_selection", dict)().items()},
+            }  # fmt: skip
     if rank == 0:
         torch.save({"world_size": distributed.world_size(), "results": results}, args.out)
     distributed.finish()

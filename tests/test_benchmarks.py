@@ -32,6 +32,32 @@ def test_quality_benchmark_writes_tables_and_plots(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_gamma_auto_table_and_plot(tmp_path):
+    """Issue 14's table on a smoke protocol: auto variants beside their baselines, the
+    never-worse comparison, and the chosen gamma per layer."""
+    argv = ["--gamma-auto", "--models", "stories260K", "--methods", "sparsegpt",
+            "whisper:gamma=auto", "whisper", "--seeds", "2", "--sparsities", "2:4",
+            "--num-sequences", "8", "--seq-len", "64", "--out", str(tmp_path)]  # fmt: skip
+    assert quality.main(argv) == 0
+    entry = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]
+    auto = entry["runs"]["2:4"]["whisper:gamma=auto"]
+    for run in auto["runs"]:
+        assert sorted(run["gamma"]) == sorted(
+            f"model.layers.{i}.mlp.{p}" for i in range(5) for p in ("gate_proj", "up_proj")
+        )
+        assert set(run["gamma"].values()) <= {0.01, 0.1, 0.3, 1.0}
+    assert not entry["runs"]["2:4"]["sparsegpt"]["runs"][0]["gamma"]
+    (row,) = quality.baseline_comparisons(entry)
+    baseline = entry["runs"]["2:4"]["sparsegpt"]["perplexity"]
+    assert row["baseline"] == "sparsegpt"
+    assert row["ratio_to_baseline"] == auto["perplexity"] / baseline
+    assert (
+        row["time_ratio_to_fixed"] == auto["seconds"] / entry["runs"]["2:4"]["whisper"]["seconds"]
+    )
+    assert "| 2:4 | whisper:gamma=auto | sparsegpt |" in (tmp_path / "quality.md").read_text()
+    assert (tmp_path / "gamma_per_layer.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
     import common
 

@@ -43,6 +43,9 @@ def test_calibration_dataset_rows_are_unpadded_sequences(tokenizer):
     assert all(len(r) == 48 for r in ds["input_ids"])
     assert all(sum(m) == 48 for m in ds["attention_mask"])
     assert ds["input_ids"] == calibration_dataset(tokenizer, text, 5, 48, seed=0)["input_ids"]
+    led = calibration_dataset(tokenizer, text, 5, 48, seed=0, bos=True)["input_ids"]
+    assert all(len(r) == 48 and r[0] == tokenizer.bos_token_id for r in led)
+    assert led == calibration_dataset(tokenizer, text, 5, 48, seed=0, bos=True)["input_ids"]
 
 
 def test_embedded_text_is_offline_and_split():
@@ -127,3 +130,39 @@ metric_list:
         expected += int(max(range(2), key=scores.__getitem__) == doc["gold"])
     assert 0 < expected < len(docs)  # a task the model neither aces nor fails
     assert math.isclose(results["tiny_local"]["acc"], expected / len(docs))
+
+
+def test_sentencepiece_bpe_tokenizer_from_gguf(tmp_path):
+    """Gemma 3's GGUF tokenizer: merges follow the piece scores (minus the merge rank),
+    user-defined pieces match whole, and the tokenizer survives save/load."""
+    from gguf import GGUFWriter
+    from transformers import AutoTokenizer
+
+    from whisper_modifiers.models import sentencepiece_bpe_tokenizer
+
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "a", "b", "c", "▁", "ab", "▁ab", "bc", "\n"]
+    scores = [-1000.0] * 4 + [-100.0, -101.0, -102.0, -103.0, -1.0, -2.0, -3.0, -1000.0]
+    kinds = [3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 4]
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(path, "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(kinds)
+    for add, index in ((writer.add_bos_token_id, 2), (writer.add_eos_token_id, 1),
+                       (writer.add_unk_token_id, 3), (writer.add_pad_token_id, 0)):  # fmt: skip
+        add(index)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    tokenizer = sentencepiece_bpe_tokenizer(path)
+    # "abc ab\nc": (a, b) merges before (b, c), then (▁, ab); "\n" is one piece
+    expected = [8, 6, 9, 11, 6]
+    assert tokenizer("abc ab\nc", add_special_tokens=False)["input_ids"] == expected
+    assert tokenizer.decode(expected) == "abc ab\nc"
+    assert tokenizer.bos_token_id == 2 and tokenizer.pad_token_id == 0
+    tokenizer.save_pretrained(tmp_path / "saved")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert reloaded("abc ab\nc", add_special_tokens=False)["input_ids"] == expected

@@ -1,5 +1,5 @@
 """Distributed calibration (torchrun, gloo, CPU) and batch-size independence, on
-stories260K, for Wisp, Wisp+, Whisper, SparseGPT and Wanda at 2:4 and 50 %."""
+stories260K, for Wisp, Wisp+, Whisper, SparseGPT, Wanda and gamma: auto at 2:4 and 50 %."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, REPO
+from distributed_worker import METHODS
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -46,7 +47,7 @@ def agreement(a: dict, b: dict) -> float:
 
 
 def compare(reference: dict, other: dict) -> None:
-    assert reference.keys() == other.keys() and len(reference) == 10
+    assert reference.keys() == other.keys() and len(reference) == 2 * len(METHODS)
     for key, expected in reference.items():
         got = other[key]
         assert expected["pairs"].keys() == got["pairs"].keys(), key
@@ -55,12 +56,14 @@ def compare(reference: dict, other: dict) -> None:
         print(f"{key}: masks agree on {share:.6%}")
         assert share >= 0.999, key
         assert got["perplexity"] == pytest.approx(expected["perplexity"], rel=0.005), key
+        assert got["gamma"] == expected["gamma"], key  # gamma: auto's choices
+        assert bool(got["gamma"]) == ("gamma=auto" in key), key
 
 
 def test_two_ranks_match_one_process(runs):
     assert runs["two"]["world_size"] == 2 and runs["one"]["world_size"] == 1
     compare(runs["one"]["results"], runs["two"]["results"])
-    for method in ("wisp", "wisp_plus", "whisper"):
+    for method in ("wisp", "wisp_plus", "whisper", "whisper:gamma=auto"):
         cell = runs["two"]["results"][f"{method}/2:4"]
         assert cell["pairs"], method
         halves = cell["pairs_per_rank"]

@@ -28,7 +28,12 @@ from test_modifiers import (
     record_inputs,
     two_four_mask,
 )
-from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
+from whisper_modifiers import (
+    ALPSWhisperModifier,
+    WhisperModifier,
+    WispModifier,
+    WispPlusModifier,
+)
 from whisper_modifiers.selection import (
     choose_gamma,
     gated_mlp_error,
@@ -159,6 +164,26 @@ def test_auto_is_deterministic_and_recorded(run_oneshot, ours):
     for name, weight in runs[0][0].items():
         if "layers" in name:
             assert torch.equal(weight == 0, two_four_mask(weight.abs() + (weight != 0)))
+
+
+@pytest.mark.parametrize(
+    ("ours", "fields"),
+    [
+        (WhisperModifier, {"pairing": "centered"}),
+        (WispModifier, {"pairing": "centered"}),
+        (WispPlusModifier, {"pairing": "nearest"}),
+        (ALPSWhisperModifier, {"alps_max_iter": 30}),
+    ],
+    ids=["whisper-centered", "wisp-centered", "wisp_plus-nearest", "alps_whisper"],
+)
+def test_auto_with_other_pairings_and_solvers(run_oneshot, ours, fields):
+    modifier = ours(gamma="auto", **fields, **TWO_FOUR)
+    weights = linear_weights(run_oneshot([modifier]))
+    assert sorted(modifier.gamma_selection()) == sorted(GATE_UP)
+    for name in GATE_UP:
+        assert torch.equal(
+            weights[name] == 0, two_four_mask(weights[name].abs() + (weights[name] != 0))
+        )
 
 
 def test_auto_with_one_candidate_is_that_gamma(run_oneshot):

@@ -23,9 +23,14 @@ METHODS = [
 ]  # fmt: skip
 
 
+AUTO = ("whisper", "wisp", "wisp_plus")  # gamma: auto at 2:4
+
+
 def test_every_method_has_every_sparsity():
     names = {path.stem for path in RECIPE_FILES}
-    assert names == {f"{m}_{s}" for m in METHODS for s in ("2of4", "50", "65")}
+    assert names == {f"{m}_{s}" for m in METHODS for s in ("2of4", "50", "65")} | {
+        f"{m}_auto_2of4" for m in AUTO
+    }
     chains = {path.stem for path in RECIPES.glob("*.yaml")} - names
     assert chains == {f"{m}_2of4_{q}" for m in ("whisper", "wisp_plus") for q in CHAINS}
 
@@ -44,6 +49,8 @@ def test_recipes_share_settings_with_their_baseline():
         assert settings(f"ria_wisp_{tag}") == settings(f"ria_{tag}")
         assert settings(f"ria_wisp_plus_{tag}") == settings(f"ria_{tag}")
         assert settings(f"alps_whisper_{tag}") == settings(f"alps_{tag}")
+    for method in AUTO:
+        assert settings(f"{method}_auto_2of4") == settings(f"{method}_2of4")
 
 
 def test_yaml_names_resolve_to_our_modifiers():

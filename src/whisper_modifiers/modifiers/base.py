@@ -385,12 +385,14 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         raise NotImplementedError
 
     def reduce_and_select(self):
-        """Reduce the statistics across ranks (``distributed``); under ``gamma: auto``
-        first choose each difference module's gamma on the held-out sequences with the
-        other sequences' statistics, then fold the held-out sequences in."""
+        """Reduce the statistics across ranks (``distributed``). Under ``gamma: auto`` the
+        held-out sequences are folded into them too, and each difference module's gamma
+        is chosen with a copy taken before (the other sequences' statistics, reduced
+        alike)."""
         if self.gamma != "auto" or not self._difference_modules:
             return reduce_statistics(self)
-        fit = {name: _copy_statistics(getattr(self, name)) for name in statistic_names()
+        selecting = self._difference_modules & self._calibrated
+        fit = {name: _copy_statistics(getattr(self, name), selecting) for name in statistic_names()
                if getattr(self, name, None) is not None}  # fmt: skip
         held = self._held_inputs
         self._replay(held)
@@ -496,11 +498,12 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         self._chosen_gammas = dict()
 
 
-def _copy_statistics(statistics: dict) -> dict:
-    """A copy of a per-module statistic dict whose tensors are not shared."""
+def _copy_statistics(statistics: dict, modules: set) -> dict:
+    """A copy of the entries of ``modules`` in a per-module statistic dict, sharing no
+    tensor with it."""
     return {
         module: value.clone() if isinstance(value, torch.Tensor)
         else tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in value)
         if isinstance(value, tuple) else value
-        for module, value in statistics.items()
+        for module, value in statistics.items() if module in modules
     }  # fmt: skip
