@@ -371,7 +371,10 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     # -- gamma: auto -----------------------------------------------------------------
 
     def gamma_of(self, module: torch.nn.Module) -> float:
-        """The gamma ``module`` is solved with: ``gamma``, or its choice under ``auto``."""
+        """The gamma ``module`` is solved with: ``gamma`` or its choice under ``auto``; 1
+        (the standard statistic alone) outside ``difference_targets``."""
+        if not self.is_difference_module(module):
+            return 1.0
         return self._chosen_gammas[module] if self.gamma == "auto" else self.gamma
 
     def gamma_selection(self) -> dict[str, dict]:
@@ -427,7 +430,7 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         done = set()
         for module in self._module_names:
             if module in done or module not in self._calibrated:
-                continue
+                continue  # solved already, or not in this layer
             if not self.is_difference_module(module):
                 continue
             mlp = self._gated_mlps.get(module)

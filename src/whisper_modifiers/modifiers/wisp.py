@@ -132,12 +132,9 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         """Prune every module left with statistics."""
         for module in list(self._num_samples):
             count = self._num_samples[module]
-            statistic = self.channel_statistic(module, self._gamma_or_none(module))
+            statistic = self.channel_statistic(module, self.gamma_of(module))
             self._drop_statistics(module)
             self._prune(module, statistic, count)
-
-    def _gamma_or_none(self, module):
-        return self.gamma_of(module) if self.is_difference_module(module) else None
 
     def _drop_statistics(self, module):
         for statistics in (self._num_samples, self._row_scalars, self._plain_norms,
