@@ -176,12 +176,13 @@ def run_key(spec: ModelSpec, windows, recipe, seed: int) -> str:
 
 def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, seeds,
                  num_sequences=None, seq_len=None, table=None, on_cell=None,
-                 cache=None) -> dict:  # fmt: skip
+                 cache=None, cached_only=False) -> dict:  # fmt: skip
     """Prune and evaluate every (sparsity, variant, seed) into ``table``
     (``{sparsity label: {variant: cell}}``, a cell holding the runs and mean +- s.e.m.);
     ``on_cell()`` is called after each cell and each new run. ``cache`` (a dict,
     ``run_key`` -> run) holds runs already done: a variant that builds the same recipe as
-    one run before is not run again."""
+    one run before is not run again. With ``cached_only`` nothing is run: a cell whose
+    runs are not all in ``cache`` is left out (tables from an interrupted benchmark)."""
     from whisper_modifiers.methods import build_recipe
 
     table = {} if table is None else table
@@ -194,6 +195,8 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
             for seed in range(seeds):
                 recipe = build_recipe(method, sparsity, structure, seed, **options)
                 key = run_key(spec, windows, recipe, seed)
+                if key not in cache and cached_only:
+                    break
                 if key not in cache:
                     model, _ = load(spec)
                     dataset = calibration_set(spec, tokenizer, seed, num_sequences, seq_len)
@@ -207,6 +210,8 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                 print(f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl "
                       f"{runs[-1]['perplexity']:.3f}  {runs[-1]['seconds']:.1f} s",
                       flush=True)  # fmt: skip
+            if len(runs) < seeds:  # cached_only, and some seed was not run
+                continue
             ppl_mean, ppl_sem = mean_sem([r["perplexity"] for r in runs])
             time_mean, time_sem = mean_sem([r["seconds"] for r in runs])
             table.setdefault(label, {})[variant] = {

@@ -85,6 +85,11 @@ def main(argv=None) -> int:
         help="JSON file of finished runs, read and extended: a run whose protocol, recipe and "
         "seed are already there is not repeated (resumes an interrupted benchmark)",
     )
+    parser.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="run nothing: tables and plots from the --cache file's finished cells",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.methods is None:
@@ -131,7 +136,7 @@ def main(argv=None) -> int:
         run_variants(
             spec, tokenizer, eval_ids, windows, args.methods, sparsities, args.seeds,
             args.num_sequences, args.seq_len, table=entry["runs"],
-            on_cell=save_partial, cache=cache,
+            on_cell=save_partial, cache=cache, cached_only=args.cached_only,
         )  # fmt: skip
     write_json(args.out / "quality.json", results)
     (args.out / "quality.md").write_text(markdown(results))

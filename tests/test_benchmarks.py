@@ -78,6 +78,10 @@ def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
     assert quality.main([*argv, "--methods", "wisp:num_permutations=1"]) == 0  # resumes
     again = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
     assert again["2:4"]["wisp:num_permutations=1"] == first["2:4"]["wisp"]
+    # --cached-only: tables from finished cells; a cell never run is left out, not run
+    assert quality.main([*argv, "--cached-only", "--methods", "wisp", "wanda"]) == 0
+    tables = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
+    assert list(tables["2:4"]) == ["wisp"]
 
 
 def test_speed_benchmark_reports_centered_ratios(tmp_path):
