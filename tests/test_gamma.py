@@ -36,9 +36,9 @@ from whisper_modifiers import (
 )
 from whisper_modifiers.selection import (
     choose_gamma,
-    gated_mlp_error,
+    gated_mlp_errors,
     is_held_out,
-    output_error,
+    output_errors,
     select_gamma,
 )
 from whisper_modifiers.statistics import (
@@ -261,10 +261,11 @@ def _choose(weights, fit, held, candidates):
                                            False)[1]  # fmt: skip
         return pruned
 
-    def error(pruned):
-        return gated_mlp_error(held, gate, up, down, F.silu, pruned["gate"], pruned["up"])
+    def errors(candidates):
+        pairs = [(pruned["gate"], pruned["up"]) for pruned in candidates]
+        return gated_mlp_errors(held, gate, up, down, F.silu, pairs)
 
-    return select_gamma(candidates, prune, error)
+    return select_gamma(candidates, prune, errors)
 
 
 def test_auto_finds_the_known_gamma_on_a_constructed_layer():
@@ -297,7 +298,11 @@ def test_output_error_and_ties():
     x = [torch.eye(3)]
     weight = torch.arange(6.0).reshape(2, 3)
     pruned = weight * torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
-    assert output_error(x, weight, pruned) == 1.0 + 9.0
+    assert output_errors(x, weight, [pruned, weight]) == [1.0 + 9.0, 0.0]
+    gate, up, down = weight, weight.flip(0), torch.eye(2)
+    [error] = gated_mlp_errors(x, gate, up, down, F.silu, [(pruned, up)])
+    expected = (F.silu(x[0] @ gate.t()) - F.silu(x[0] @ pruned.t())) * (x[0] @ up.t())
+    assert error == pytest.approx(float(expected.square().sum()))
     assert choose_gamma({0.1: 2.0, 1.0: 2.0, 0.3: 3.0}) == 1.0  # a tie goes to the baseline
 
 

@@ -34,9 +34,9 @@ __all__ = [
     "WISP_GAMMA_CANDIDATES",
     "choose_gamma",
     "select_gamma",
-    "gated_mlp_error",
+    "gated_mlp_errors",
     "is_held_out",
-    "output_error",
+    "output_errors",
 ]
 
 WHISPER_GAMMA_CANDIDATES = (0.01, 0.1, 0.3, 1.0)
@@ -53,41 +53,42 @@ def is_held_out(sequence_index: int, holdout_every: int) -> bool:
 
 
 @torch.no_grad()
-def output_error(
-    inputs: Iterable[torch.Tensor], weight: torch.Tensor, pruned: torch.Tensor
-) -> float:
-    """``sum_t ||(W - W^) x_t||_2^2`` over the tokens of ``inputs`` (each ``[tokens, m]``),
-    in float32, summed in float64."""
-    change = (weight.float() - pruned.float()).t()
-    total = 0.0
+def output_errors(
+    inputs: Iterable[torch.Tensor], weight: torch.Tensor, candidates: list[torch.Tensor]
+) -> list[float]:
+    """``sum_t ||(W - W^) x_t||_2^2`` over the tokens of ``inputs`` (each ``[tokens, m]``)
+    for each pruned weight ``W^`` in ``candidates``; float32, summed in float64."""
+    changes = [(weight.float() - pruned.float()).t() for pruned in candidates]
+    totals = [0.0] * len(candidates)
     for x in inputs:
-        x = x.to(device=change.device, dtype=torch.float32)
-        total += float((x @ change).square().sum(dtype=torch.float64))
-    return total
+        x = x.to(device=weight.device, dtype=torch.float32)
+        for index, change in enumerate(changes):
+            totals[index] += float((x @ change).square().sum(dtype=torch.float64))
+    return totals
 
 
 @torch.no_grad()
-def gated_mlp_error(
+def gated_mlp_errors(
     inputs: Iterable[torch.Tensor],
     gate: torch.Tensor,
     up: torch.Tensor,
     down: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor],
-    pruned_gate: torch.Tensor,
-    pruned_up: torch.Tensor,
-) -> float:
+    candidates: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[float]:
     """A gated MLP block's output error ``sum_t ||W_down (act(G x_t) * (U x_t) -
-    act(G^ x_t) * (U^ x_t))||_2^2`` over the tokens of ``inputs`` (each ``[tokens, m]``),
-    with the dense down projection; float32, summed in float64."""
+    act(G^ x_t) * (U^ x_t))||_2^2`` over the tokens of ``inputs`` (each ``[tokens, m]``)
+    for each pruned ``(G^, U^)`` in ``candidates``, with the dense down projection; the
+    dense block is computed once per sequence. float32, summed in float64."""
     gate, up, down = gate.float(), up.float(), down.float()
-    pruned_gate, pruned_up = pruned_gate.float(), pruned_up.float()
-    total = 0.0
+    totals = [0.0] * len(candidates)
     for x in inputs:
         x = x.to(device=gate.device, dtype=torch.float32)
         dense = activation(F.linear(x, gate)) * F.linear(x, up)
-        pruned = activation(F.linear(x, pruned_gate)) * F.linear(x, pruned_up)
-        total += float(F.linear(dense - pruned, down).square().sum(dtype=torch.float64))
-    return total
+        for index, (pruned_gate, pruned_up) in enumerate(candidates):
+            pruned = activation(F.linear(x, pruned_gate.float())) * F.linear(x, pruned_up.float())
+            totals[index] += float(F.linear(dense - pruned, down).square().sum(dtype=torch.float64))
+    return totals
 
 
 def choose_gamma(errors: dict[float, float]) -> float:
@@ -101,9 +102,11 @@ def choose_gamma(errors: dict[float, float]) -> float:
 def select_gamma(
     candidates: Iterable[float],
     prune: Callable[[float], dict],
-    error: Callable[[dict], float],
+    errors: Callable[[list[dict]], list[float]],
 ) -> tuple[float, dict[float, float]]:
     """``(chosen gamma, {candidate: held-out error})``: ``prune(gamma)`` gives the pruned
-    weights at a candidate, ``error(pruned)`` their held-out error."""
-    errors = {gamma: error(prune(gamma)) for gamma in candidates}
-    return choose_gamma(errors), errors
+    weights at a candidate, ``errors([pruned, ...])`` the held-out error of each."""
+    candidates = list(candidates)
+    measured = errors([prune(gamma) for gamma in candidates])
+    by_gamma = dict(zip(candidates, measured, strict=True))
+    return choose_gamma(by_gamma), by_gamma

@@ -46,9 +46,9 @@ from whisper_modifiers.modifiers.validation import (
     check_finite_activations,
 )
 from whisper_modifiers.selection import (
-    gated_mlp_error,
+    gated_mlp_errors,
     is_held_out,
-    output_error,
+    output_errors,
     select_gamma,
 )
 from whisper_modifiers.statistics import (
@@ -448,7 +448,7 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
             best, errors = select_gamma(
                 self.candidate_gammas(),
                 lambda gamma, group=group: {m: self.candidate_weight(m, gamma) for m in group},
-                lambda pruned, group=group, mlp=mlp, inputs=inputs: self._held_out_error(
+                lambda pruned, group=group, mlp=mlp, inputs=inputs: self._held_out_errors(
                     group, mlp, inputs, pruned
                 ),
             )
@@ -463,22 +463,23 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 f"(held-out error {errors[best]:.4g}; candidates {errors})"
             )
 
-    def _held_out_error(self, group, mlp, inputs, pruned: dict) -> float:
-        """The gated MLP block's output error (or the module's own), summed over ranks."""
+    def _held_out_errors(self, group, mlp, inputs, candidates: list[dict]) -> list[float]:
+        """Each candidate's gated MLP block output error (or the module's own), summed
+        over ranks."""
         parts = [mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else group
         with contextlib.ExitStack() as stack:
             for part in parts:
                 stack.enter_context(align_module_device(part))
             if mlp is None:
                 (module,) = group
-                local = output_error(inputs, module.weight, pruned[module])
+                local = output_errors(inputs, module.weight, [c[module] for c in candidates])
             else:
-                local = gated_mlp_error(
-                    inputs, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                    mlp.act_fn, pruned.get(mlp.gate_proj, mlp.gate_proj.weight),
-                    pruned.get(mlp.up_proj, mlp.up_proj.weight),
+                gate, up = mlp.gate_proj, mlp.up_proj
+                local = gated_mlp_errors(
+                    inputs, gate.weight, up.weight, mlp.down_proj.weight, mlp.act_fn,
+                    [(c.get(gate, gate.weight), c.get(up, up.weight)) for c in candidates],
                 )  # fmt: skip
-        return all_reduce_sum(local)
+        return [all_reduce_sum(error) for error in local]
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._last_input = self._last_differences = None  # release the layer's last batch
