@@ -228,8 +228,9 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
 
 def chosen_gammas(recipe) -> dict[str, float]:
     """``gamma: auto``'s choice per module of a finished run (empty for other recipes)."""
-    return {name: choice["gamma"] for modifier in recipe if hasattr(modifier, "gamma_selection")
-            for name, choice in modifier.gamma_selection().items()}  # fmt: skip
+    from whisper_modifiers.methods import gamma_selection
+
+    return {name: choice["gamma"] for name, choice in gamma_selection(recipe).items()}
 
 
 def parse_sparsity(label: str) -> tuple[float, str]:

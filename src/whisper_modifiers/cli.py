@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> dict:
     from whisper_modifiers.checkpoint import check_checkpoint, sparsity_record, write_record
     from whisper_modifiers.data import load_corpus, sequence_dataset
     from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
-    from whisper_modifiers.methods import calibration_settings, run_oneshot
+    from whisper_modifiers.methods import calibration_settings, gamma_selection, run_oneshot
     from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
     from whisper_modifiers.output_dir import partial_output
     from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
@@ -422,15 +422,13 @@ def run(args: argparse.Namespace) -> dict:
             f"the pruned model's perplexity is {report['pruned_perplexity']}: it is broken "
             f"(NaN or inf logits), so it is not saved to {output_dir}"
         )
-    gamma_selection = {name: choice for modifier in modifiers
-                       if hasattr(modifier, "gamma_selection")
-                       for name, choice in modifier.gamma_selection().items()}  # fmt: skip
+    gamma_choices = gamma_selection(modifiers)
     record = sparsity_record(
         model,
         modifiers=[type(modifier).__name__ for modifier in modifiers],
         recipe=str(recipe),
         source_model=model_id,
-        **({"gamma_selection": gamma_selection} if gamma_selection else {}),
+        **({"gamma_selection": gamma_choices} if gamma_choices else {}),
     )
     report["sparsity"] = record["summary"]["sparsity"]
 

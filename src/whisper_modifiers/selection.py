@@ -81,12 +81,13 @@ def gated_mlp_errors(
     for each pruned ``(G^, U^)`` in ``candidates``, with the dense down projection; the
     dense block is computed once per sequence. float32, summed in float64."""
     gate, up, down = gate.float(), up.float(), down.float()
+    candidates = [(pruned_gate.float(), pruned_up.float()) for pruned_gate, pruned_up in candidates]
     totals = [0.0] * len(candidates)
     for x in inputs:
         x = x.to(device=gate.device, dtype=torch.float32)
         dense = activation(F.linear(x, gate)) * F.linear(x, up)
         for index, (pruned_gate, pruned_up) in enumerate(candidates):
-            pruned = activation(F.linear(x, pruned_gate.float())) * F.linear(x, pruned_up.float())
+            pruned = activation(F.linear(x, pruned_gate)) * F.linear(x, pruned_up)
             totals[index] += float(F.linear(dense - pruned, down).square().sum(dtype=torch.float64))
     return totals
 
