@@ -40,7 +40,10 @@ from common import (  # noqa: E402
 
 SWEEP = ["0.5", "0.55", "0.6", "0.65", "0.7", "0.75"]
 GAMMA_AUTO = ["sparsegpt", "whisper", "whisper:gamma=auto", "wanda", "wisp", "wisp:gamma=auto",
-              "wisp_plus:gamma=auto"]  # fmt: skip
+              "wisp_plus:gamma=auto",
+              # the plain least-error rule, without the evidence gamma 1 is left on
+              "whisper:gamma=auto;gamma_evidence=0", "wisp:gamma=auto;gamma_evidence=0",
+              "wisp_plus:gamma=auto;gamma_evidence=0"]  # fmt: skip
 GAMMA_AUTO_SPARSITIES = ["2:4", "0.65"]
 
 

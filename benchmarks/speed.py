@@ -5,6 +5,7 @@ baseline, measured in one run on the same model and calibration set.
     python benchmarks/speed.py --models stories260K --repeats 5
     python benchmarks/speed.py --pairs centered --out benchmarks/results/centered
     python benchmarks/speed.py --pairs auto --out benchmarks/results/gamma_auto   # gamma: auto
+    python benchmarks/speed.py --pairs auto --only whisper:gamma=auto --repeats 2
     python benchmarks/speed.py --random-layers 2 --num-sequences 128 --seq-len 4096 \
         --offload-devices cuda cpu --batch-sizes 1 4     # Llama-2-7B-shaped, random weights
 
@@ -271,6 +272,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", nargs="+", default=["main", "centered"], choices=list(PAIRS))
     parser.add_argument("--composites", action="store_true", help="add the RIA and ALPS pairs")
+    parser.add_argument(
+        "--only", nargs="+", help="only the pairs of these variants (e.g. whisper:gamma=auto)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--random-layers",
@@ -299,7 +303,8 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         return main_random(args)
     groups = list(dict.fromkeys(args.pairs + (["composites"] if args.composites else [])))
-    pairs = [pair for group in groups for pair in PAIRS[group]]
+    pairs = [pair for group in groups for pair in PAIRS[group]
+             if not args.only or pair[1] in args.only]  # fmt: skip
 
     report = {"config": vars(args) | {"out": str(args.out)}, "models": {}}
     lines = [

@@ -87,7 +87,8 @@ def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
 def test_speed_benchmark_reports_centered_ratios(tmp_path):
     import speed
 
-    argv = ["--models", "stories260K", "--pairs", "centered", "--repeats", "1",
+    argv = ["--models", "stories260K", "--pairs", "main", "centered", "--repeats", "1",
+            "--only", "wisp:pairing=centered", "whisper:pairing=centered",
             "--num-sequences", "4", "--seq-len", "64", "--out", str(tmp_path)]  # fmt: skip
     assert speed.main(argv) == 0
     rows = json.loads((tmp_path / "speed.json").read_text())["models"]["stories260K"]["ratios"]

@@ -34,11 +34,14 @@ from whisper_modifiers import (
     WispModifier,
     WispPlusModifier,
 )
+from whisper_modifiers.modifiers.base import DifferencePruningBase
 from whisper_modifiers.selection import (
     choose_gamma,
     gated_mlp_errors,
     is_held_out,
     output_errors,
+    paired_means,
+    paired_sums,
     select_gamma,
 )
 from whisper_modifiers.statistics import (
@@ -157,9 +160,11 @@ def test_auto_is_deterministic_and_recorded(run_oneshot, ours):
     for i in range(5):
         gate, up = (selection[f"model.layers.{i}.mlp.{part}"] for part in ("gate_proj", "up_proj"))
         assert gate == up  # one choice for the gated pair
-        assert list(gate["held_out_error"]) == candidates
+        assert list(gate["held_out_error"]) == list(gate["difference_se"]) == candidates
         assert gate["gamma"] == choose_gamma(
-            {float(g): e for g, e in gate["held_out_error"].items()}
+            {float(g): e for g, e in gate["held_out_error"].items()},
+            {float(g): se for g, se in gate["difference_se"].items()},
+            modifier.gamma_evidence,
         )
     for name, weight in runs[0][0].items():
         if "layers" in name:
@@ -201,6 +206,29 @@ def test_auto_with_one_candidate_is_that_gamma(run_oneshot):
     assert min(agreement) >= 0.999
 
 
+@pytest.mark.parametrize("structure", [TWO_FOUR, {"sparsity": 0.65}], ids=["2:4", "0.65"])
+def test_whisper_candidates_in_one_batch_are_the_per_module_solves(
+    run_oneshot, monkeypatch, structure
+):
+    """Whisper solves gate and up at every candidate as one batch; each is llmcompressor's
+    ``sparsify_weight`` with ``H~`` at that gamma, bit for bit."""
+    batched = WhisperModifier.candidate_weights
+    groups = []
+
+    def checked(self, group, gammas):
+        got = batched(self, group, gammas)
+        expected = DifferencePruningBase.candidate_weights(self, group, gammas)
+        for got_weights, expected_weights in zip(got, expected, strict=True):
+            for module in group:
+                assert torch.equal(got_weights[module], expected_weights[module])
+        groups.append(len(group))
+        return got
+
+    monkeypatch.setattr(WhisperModifier, "candidate_weights", checked)
+    run_oneshot([WhisperModifier(gamma="auto", **structure)])
+    assert groups == [2] * 5  # gate and up of each layer
+
+
 def test_held_out_sequences_are_every_kth_global_index():
     assert [i for i in range(12) if is_held_out(i, 4)] == [3, 7, 11]
     assert [i for i in range(6) if is_held_out(i, 2)] == [1, 3, 5]
@@ -236,7 +264,7 @@ def _constructed_gated_mlp(offsets_fit, offsets_held, seed=0):
     return (gate, up, down), sequences(48, offsets_fit), sequences(8, offsets_held)
 
 
-def _choose(weights, fit, held, candidates):
+def _choose(weights, fit, held, candidates, evidence):
     """Whisper's gamma: auto on one constructed gated MLP, with the package's pieces:
     statistics of the fit sequences, SparseGPT's solve with H~ per candidate, and the
     held-out MLP output error."""
@@ -251,7 +279,10 @@ def _choose(weights, fit, held, candidates):
             difference_hessian, difference_count, pairs
         )
 
-    def prune(gamma):
+    def prune(gammas):
+        return [prune_one(gamma) for gamma in gammas]
+
+    def prune_one(gamma):
         mixed = regularized_difference_hessian(hessian, difference_hessian, gamma)
         pruned = {}
         for name, weight in (("gate", gate), ("up", up)):
@@ -265,7 +296,8 @@ def _choose(weights, fit, held, candidates):
         pairs = [(pruned["gate"], pruned["up"]) for pruned in candidates]
         return gated_mlp_errors(held, gate, up, down, F.silu, pairs)
 
-    return select_gamma(candidates, prune, errors)
+    best, errors, _ = select_gamma(candidates, prune, errors, evidence)
+    return best, errors
 
 
 def test_auto_finds_the_known_gamma_on_a_constructed_layer():
@@ -281,15 +313,16 @@ def test_auto_finds_the_known_gamma_on_a_constructed_layer():
       sequences, so gamma = 0 is right.
     """
     candidates = [0.0, 0.1, 0.3, 1.0]
+    evidence = WhisperModifier.model_fields["gamma_evidence"].default
     for seed in range(3):
         weights, fit, held = _constructed_gated_mlp(lambda g: 3.0, lambda g: 3.0, seed)
-        best, errors = _choose(weights, fit, held, candidates)
+        best, errors = _choose(weights, fit, held, candidates, evidence)
         assert best == 1.0, errors
         assert errors[1.0] < 0.8 * errors[0.3], errors
         weights, fit, held = _constructed_gated_mlp(
             lambda g: 5.0 * torch.randn(32, generator=g), lambda g: 0.0, seed
         )
-        best, errors = _choose(weights, fit, held, candidates)
+        best, errors = _choose(weights, fit, held, candidates, evidence)
         assert best == 0.0, errors
         assert errors[0.0] < 0.8 * errors[1.0], errors
 
@@ -298,12 +331,55 @@ def test_output_error_and_ties():
     x = [torch.eye(3)]
     weight = torch.arange(6.0).reshape(2, 3)
     pruned = weight * torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
-    assert output_errors(x, weight, [pruned, weight]) == [1.0 + 9.0, 0.0]
+    assert output_errors(x + [2 * x[0]], weight, [pruned, weight]).tolist() == [
+        [1.0 + 9.0, 4 * (1.0 + 9.0)],
+        [0.0, 0.0],
+    ]
     gate, up, down = weight, weight.flip(0), torch.eye(2)
-    [error] = gated_mlp_errors(x, gate, up, down, F.silu, [(pruned, up)])
+    [[error]] = gated_mlp_errors(x, gate, up, down, F.silu, [(pruned, up)]).tolist()
     expected = (F.silu(x[0] @ gate.t()) - F.silu(x[0] @ pruned.t())) * (x[0] @ up.t())
     assert error == pytest.approx(float(expected.square().sum()))
     assert choose_gamma({0.1: 2.0, 1.0: 2.0, 0.3: 3.0}) == 1.0  # a tie goes to the baseline
+
+
+def test_paired_means_against_the_direct_formula():
+    """Mean error per sequence and the standard error of the paired difference to the
+    largest candidate, from sums that add over ranks: split the sequences in two and
+    sum, and the result is the same."""
+    generator = torch.Generator().manual_seed(0)
+    errors = torch.rand(3, 7, generator=generator, dtype=torch.float64)  # [candidates, seqs]
+    means, standard_errors = paired_means(paired_sums(errors, 2), 2)
+    for c in range(3):
+        difference = errors[c] - errors[2]
+        assert means[c] == pytest.approx(float(errors[c].mean()), rel=1e-12)
+        expected = float(difference.std(correction=1) / 7**0.5)
+        assert standard_errors[c] == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    split = paired_sums(errors[:, :3], 2) + paired_sums(errors[:, 3:], 2)
+    split_means, split_standard_errors = paired_means(split, 2)
+    assert split_means == pytest.approx(means) and split_standard_errors == pytest.approx(
+        standard_errors
+    )
+    assert paired_means(paired_sums(errors[:, :1], 2), 2)[1] == [float("inf")] * 2 + [0.0]
+
+
+def test_a_candidate_leaves_the_baseline_only_on_evidence():
+    """Lower mean error than gamma 1 on noisy sequences is not enough with evidence 2;
+    with evidence 0 the least error wins."""
+    steady = torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+    noisy = torch.tensor([[0.0, 3.8, 0.0, 3.8], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+
+    def choose(errors, evidence):
+        pruned = {0.3: "a", 1.0: "b"}
+        best, *_ = select_gamma(
+            [0.3, 1.0], lambda gammas: [pruned[g] for g in gammas], lambda _: errors, evidence
+        )
+        return best
+
+    assert choose(steady, 2.0) == choose(steady, 0.0) == 0.3  # always better: chosen
+    assert choose(noisy, 0.0) == 0.3  # better on average (1.9 < 2)...
+    assert choose(noisy, 2.0) == 1.0  # ...but within noise: the baseline stays
+    assert choose_gamma({0.1: 1.0, 1.0: 2.0}, {0.1: 0.4, 1.0: 0.0}, 2.0) == 0.1
+    assert choose_gamma({0.1: 1.0, 1.0: 2.0}, {0.1: 0.5, 1.0: 0.0}, 2.0) == 1.0  # not beyond
 
 
 # -- bad input -------------------------------------------------------------------------
@@ -319,6 +395,7 @@ def test_output_error_and_ties():
         ({"gamma": "auto", "gamma_candidates": []}, "non-empty list"),
         ({"gamma": "auto", "gamma_candidates": [2.0]}, "gamma_candidates"),
         ({"gamma": "auto", "holdout_every": 1}, "holdout_every"),
+        ({"gamma": "auto", "gamma_evidence": -1.0}, "gamma_evidence"),
     ],
 )
 @pytest.mark.parametrize("ours", [WispModifier, WhisperModifier], ids=lambda c: c.__name__)

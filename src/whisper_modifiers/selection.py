@@ -18,8 +18,16 @@ projection: ``sum_t ||W_down (act(G x_t) * U x_t - act(G^ x_t) * U^ x_t)||^2``. 
 gating is where the difference criteria's argument lives (keeping neurons able to tell
 inputs apart), and where a plain reconstruction error of ``G`` alone cannot see the
 interaction with ``U``.  Any other module gets its own output error
-``sum_t ||(W - W^) x_t||^2``.  Candidate 1 is the baseline (SparseGPT / Wanda), so on
-the held-out sequences the choice is never worse than the baseline at this module.
+``sum_t ||(W - W^) x_t||^2``.
+
+The largest candidate is the reference: gamma = 1 is the baseline (SparseGPT / Wanda).
+A few held-out sequences measure the other candidates noisily, and a layer that leaves
+the baseline on noise makes the whole model worse than the baseline (measured: README).
+So a candidate displaces the reference only on evidence: its mean per-sequence error
+must be lower by more than ``gamma_evidence`` standard errors of the paired
+per-sequence difference (default 2, a one-sided test at about 2.5 % for normal
+differences); the eligible candidate of least error wins.  ``gamma_evidence: 0`` is the
+plain least-error rule.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ __all__ = [
     "gated_mlp_errors",
     "is_held_out",
     "output_errors",
+    "paired_means",
+    "paired_sums",
 ]
 
 WHISPER_GAMMA_CANDIDATES = (0.01, 0.1, 0.3, 1.0)
@@ -55,16 +65,16 @@ def is_held_out(sequence_index: int, holdout_every: int) -> bool:
 @torch.no_grad()
 def output_errors(
     inputs: Iterable[torch.Tensor], weight: torch.Tensor, candidates: list[torch.Tensor]
-) -> list[float]:
-    """``sum_t ||(W - W^) x_t||_2^2`` over the tokens of ``inputs`` (each ``[tokens, m]``)
-    for each pruned weight ``W^`` in ``candidates``; float32, summed in float64."""
+) -> torch.Tensor:
+    """``[candidates, sequences]``: ``sum_t ||(W - W^) x_t||_2^2`` over the tokens of each
+    sequence of ``inputs`` (each ``[tokens, m]``) for each pruned weight ``W^`` in
+    ``candidates``; float32, summed in float64."""
     changes = [(weight.float() - pruned.float()).t() for pruned in candidates]
-    totals = [0.0] * len(candidates)
+    errors = []
     for x in inputs:
         x = x.to(device=weight.device, dtype=torch.float32)
-        for index, change in enumerate(changes):
-            totals[index] += float((x @ change).square().sum(dtype=torch.float64))
-    return totals
+        errors.append([(x @ change).square().sum(dtype=torch.float64) for change in changes])
+    return _per_sequence(errors, len(candidates))
 
 
 @torch.no_grad()
@@ -75,39 +85,99 @@ def gated_mlp_errors(
     down: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor],
     candidates: list[tuple[torch.Tensor, torch.Tensor]],
-) -> list[float]:
-    """A gated MLP block's output error ``sum_t ||W_down (act(G x_t) * (U x_t) -
-    act(G^ x_t) * (U^ x_t))||_2^2`` over the tokens of ``inputs`` (each ``[tokens, m]``)
-    for each pruned ``(G^, U^)`` in ``candidates``, with the dense down projection; the
-    dense block is computed once per sequence. float32, summed in float64."""
+) -> torch.Tensor:
+    """``[candidates, sequences]``: a gated MLP block's output error ``sum_t ||W_down
+    (act(G x_t) * (U x_t) - act(G^ x_t) * (U^ x_t))||_2^2`` over the tokens of each
+    sequence of ``inputs`` (each ``[tokens, m]``) for each pruned ``(G^, U^)`` in
+    ``candidates``, with the dense down projection; the dense block is computed once per
+    sequence. float32, summed in float64."""
     gate, up, down = gate.float(), up.float(), down.float()
     candidates = [(pruned_gate.float(), pruned_up.float()) for pruned_gate, pruned_up in candidates]
-    totals = [0.0] * len(candidates)
+    errors = []
     for x in inputs:
         x = x.to(device=gate.device, dtype=torch.float32)
         dense = activation(F.linear(x, gate)) * F.linear(x, up)
-        for index, (pruned_gate, pruned_up) in enumerate(candidates):
+        row = []
+        for pruned_gate, pruned_up in candidates:
             pruned = activation(F.linear(x, pruned_gate)) * F.linear(x, pruned_up)
-            totals[index] += float(F.linear(dense - pruned, down).square().sum(dtype=torch.float64))
-    return totals
+            row.append(F.linear(dense - pruned, down).square().sum(dtype=torch.float64))
+        errors.append(row)
+    return _per_sequence(errors, len(candidates))
 
 
-def choose_gamma(errors: dict[float, float]) -> float:
-    """The candidate of least held-out error; a tie goes to the larger gamma (nearer the
-    baseline). Deterministic for given errors."""
+def _per_sequence(errors: list[list[torch.Tensor]], candidates: int) -> torch.Tensor:
+    """``[candidates, sequences]`` float64 on the CPU from one row per sequence."""
+    if not errors:
+        return torch.zeros(candidates, 0, dtype=torch.float64)
+    return torch.stack([torch.stack(row) for row in errors], dim=1).cpu()
+
+
+def paired_sums(errors: torch.Tensor, reference: int) -> torch.Tensor:
+    """``[candidates, 3]``: per candidate, the sum of its per-sequence held-out errors
+    (``errors`` is ``[candidates, sequences]``), the sum of squares of its per-sequence
+    difference to candidate ``reference``, and the number of sequences. Sums, so that
+    adding them over ranks gives what one process would have (``paired_means``)."""
+    differences = errors - errors[reference]
+    count = torch.full((errors.shape[0],), float(errors.shape[1]), dtype=torch.float64)
+    return torch.stack([errors.sum(1), differences.square().sum(1), count], dim=1)
+
+
+def paired_means(sums: torch.Tensor, reference: int) -> tuple[list[float], list[float]]:
+    """From ``paired_sums`` (summed over ranks): each candidate's mean held-out error
+    per sequence, and the standard error of the mean of its paired per-sequence
+    difference to candidate ``reference`` (0 for the reference itself; infinite on fewer
+    than two sequences)."""
+    count = float(sums[reference, 2])
+    means = sums[:, 0] / max(count, 1.0)
+    if count < 2:
+        standard_errors = torch.full_like(means, float("inf"))
+    else:
+        mean_difference = means - means[reference]
+        variance = (sums[:, 1] / count - mean_difference.square()) * count / (count - 1)
+        standard_errors = (variance.clamp(min=0) / count).sqrt()
+    standard_errors[reference] = 0.0
+    return means.tolist(), standard_errors.tolist()
+
+
+def choose_gamma(
+    errors: dict[float, float],
+    standard_errors: dict[float, float] | None = None,
+    evidence: float = 0.0,
+) -> float:
+    """The chosen candidate: the reference is the largest gamma (the one nearest the
+    baseline, which gamma = 1 is). Another candidate is eligible when its mean held-out
+    error is below the reference's by more than ``evidence`` standard errors of the
+    paired per-sequence difference (``standard_errors``; with ``evidence = 0``, by
+    anything). The eligible candidate of least error wins; a tie goes to the larger
+    gamma. Deterministic for given errors."""
     if not errors:
         raise ValueError("no gamma candidate to choose from")
-    return min(errors, key=lambda gamma: (errors[gamma], -gamma))
+    reference = max(errors)
+    eligible = [reference]
+    for gamma, error in errors.items():
+        gain = errors[reference] - error
+        margin = evidence * standard_errors[gamma] if evidence > 0 else 0.0
+        if gamma != reference and gain > 0 and gain > margin:
+            eligible.append(gamma)
+    return min(eligible, key=lambda gamma: (errors[gamma], -gamma))
 
 
 def select_gamma(
     candidates: Iterable[float],
-    prune: Callable[[float], dict],
-    errors: Callable[[list[dict]], list[float]],
-) -> tuple[float, dict[float, float]]:
-    """``(chosen gamma, {candidate: held-out error})``: ``prune(gamma)`` gives the pruned
-    weights at a candidate, ``errors([pruned, ...])`` the held-out error of each."""
+    prune: Callable[[list[float]], list[dict]],
+    errors: Callable[[list[dict]], torch.Tensor],
+    evidence: float = 0.0,
+    reduce: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums,
+) -> tuple[float, dict[float, float], dict[float, float]]:
+    """``(chosen gamma, {candidate: mean held-out error per sequence}, {candidate:
+    standard error of its paired difference to the largest candidate})``:
+    ``prune(candidates)`` gives the pruned weights at each, ``errors([pruned, ...])``
+    each one's per-sequence held-out errors ``[candidates, sequences]``, ``reduce`` sums
+    ``paired_sums`` over ranks (``choose_gamma`` decides)."""
     candidates = list(candidates)
-    measured = errors([prune(gamma) for gamma in candidates])
-    by_gamma = dict(zip(candidates, measured, strict=True))
-    return choose_gamma(by_gamma), by_gamma
+    reference = candidates.index(max(candidates))
+    measured = errors(prune(candidates))
+    means, standard_errors = paired_means(reduce(paired_sums(measured, reference)), reference)
+    by_gamma = dict(zip(candidates, means, strict=True))
+    spread = dict(zip(candidates, standard_errors, strict=True))
+    return choose_gamma(by_gamma, spread, evidence), by_gamma, spread

@@ -9,6 +9,9 @@
   conjugate gradient on the fixed support.
 * The SparseGPT / OBS solver is llmcompressor's own ``sgpt_sparsify.sparsify_weight``;
   Whisper hands it ``H~`` in place of ``H``, so it is reused, not rewritten.
+  ``sparsegpt_prune_batch`` runs the same steps on a batch of independent problems at
+  once; ``gamma: auto`` uses it to prune gate and up at every candidate gamma in one
+  loop over the columns (its tests hold it to ``sparsify_weight``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ __all__ = [
     "prune_by_score",
     "prune_mask",
     "ria_scores",
+    "sparsegpt_prune_batch",
     "wanda_scores",
 ]
 
@@ -127,6 +131,77 @@ def _project(values: torch.Tensor, keep: int, prune_n: int, prune_m: int) -> tor
     mask = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
     mask[values.abs().reshape(-1).topk(keep).indices] = True
     return mask.reshape(values.shape)
+
+
+@torch.no_grad()
+def sparsegpt_prune_batch(
+    weights: torch.Tensor,
+    hessians: torch.Tensor,
+    sparsity: float,
+    prune_n: int = 0,
+    prune_m: int = 0,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+) -> torch.Tensor:
+    """SparseGPT (Frantar & Alistarh 2023, Algorithm 1) on ``B`` independent problems:
+    ``weights`` ``[B, rows, columns]`` with ``hessians`` ``[B, columns, columns]``
+    (``H``, or Whisper's ``H~``, eq. for ``H~`` in Section 3); returns the pruned
+    weights, float32.
+
+    The steps of llmcompressor's ``sparsify_weight`` (without ``preserve_sparsity_mask``):
+    dead inputs (``H_jj = 0``) are zeroed; ``H + d I`` with ``d = dampening_frac *
+    mean(diag H)`` is inverted and its inverse factored, ``Hinv = chol(H^-1)^T``
+    (upper), a singular one falling back to the identity.  (llmcompressor's batched
+    ``gptq.helpers.factorize_hessian`` does this too, but its in-place per-item path
+    differs from ``sparsify_weight`` in the last bit.)  Column by column
+    within blocks of ``block_size``, weights of least ``w^2 / Hinv_jj^2`` are pruned
+    (``prune_n`` of every ``prune_m`` inputs of each row, or the ``sparsity`` fraction of
+    each block of the whole matrix) and the error ``(w - q) / Hinv_jj`` is spread over the
+    later columns by row ``j`` of ``Hinv``.
+    """
+    weight = weights.to(torch.float32).clone()
+    hessian = hessians.to(device=weight.device, dtype=torch.float32).clone()
+    columns = weight.shape[-1]
+    diagonal = hessian.diagonal(dim1=-2, dim2=-1)
+    dead = diagonal == 0
+    diagonal[dead] = 1
+    weight.masked_fill_(dead.unsqueeze(1), 0)
+    diagonal.add_(dampening_frac * diagonal.mean(dim=-1, keepdim=True))
+    factor, failed = torch.linalg.cholesky_ex(hessian)
+    hessian_inverse, failed_inverse = torch.linalg.cholesky_ex(
+        torch.cholesky_inverse(factor), upper=True
+    )
+    failed = (failed != 0) | (failed_inverse != 0)
+    if failed.any():  # sparsify_weight's fallback for a Hessian it cannot invert
+        hessian_inverse[failed] = torch.eye(columns, dtype=weight.dtype, device=weight.device)
+    for i1 in range(0, columns, block_size):
+        i2 = min(i1 + block_size, columns)
+        block = weight[:, :, i1:i2].clone()
+        pruned = torch.zeros_like(block)
+        errors = torch.zeros_like(block)
+        block_inverse = hessian_inverse[:, i1:i2, i1:i2]
+        block_diagonal = block_inverse.diagonal(dim1=-2, dim2=-1).unsqueeze(1)
+        if prune_n == 0:
+            saliency = (block**2 / block_diagonal**2).flatten(1)
+            threshold = saliency.sort(dim=1)[0][:, int(saliency.shape[1] * sparsity)]
+            mask = (saliency <= threshold.unsqueeze(1)).reshape(block.shape)
+        else:
+            mask = torch.zeros_like(block, dtype=torch.bool)
+        for i in range(i2 - i1):
+            column = block[:, :, i]
+            if prune_n != 0 and i % prune_m == 0:
+                saliency = (
+                    block[:, :, i : i + prune_m] ** 2 / block_diagonal[:, :, i : i + prune_m] ** 2
+                )
+                mask.scatter_(2, i + saliency.topk(prune_n, dim=2, largest=False)[1], True)
+            kept = column.masked_fill(mask[:, :, i], 0)
+            pruned[:, :, i] = kept
+            error = (column - kept) / block_inverse[:, i, i].unsqueeze(1)
+            block[:, :, i:] -= error.unsqueeze(2) * block_inverse[:, i, i:].unsqueeze(1)
+            errors[:, :, i] = error
+        weight[:, :, i1:i2] = pruned
+        weight[:, :, i2:] -= errors @ hessian_inverse[:, i1:i2, i2:]
+    return weight
 
 
 def alps_prune(

@@ -95,6 +95,10 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     :param holdout_every: with ``gamma: auto``, every ``holdout_every``-th calibration
         sequence (global index ``i`` with ``i % holdout_every == holdout_every - 1``) is
         held out to measure the candidates, then joins the statistics for the final solve.
+    :param gamma_evidence: with ``gamma: auto``, how many standard errors of the paired
+        per-held-out-sequence difference a candidate's mean error must beat the largest
+        candidate's (the baseline's, gamma 1) by to be chosen over it; ``0`` picks the
+        least error (``selection.choose_gamma``).
     """
 
     GAMMA_CANDIDATES: ClassVar[tuple[float, ...]] = ()
@@ -107,6 +111,7 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     gamma: Gamma = 0.0
     gamma_candidates: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = None
     holdout_every: int = Field(default=4, ge=2)
+    gamma_evidence: float = Field(default=2.0, ge=0.0)
 
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
@@ -387,6 +392,12 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         stay as they are (each method's solver)."""
         raise NotImplementedError
 
+    def candidate_weights(self, group: list, gammas: list[float]) -> list[dict]:
+        """Per gamma, ``{module: pruned weight}`` for the modules of ``group`` (one
+        ``candidate_weight`` each; a method may solve them together)."""
+        return [{module: self.candidate_weight(module, gamma) for module in group}
+                for gamma in gammas]  # fmt: skip
+
     def reduce_and_select(self):
         """Reduce the statistics across ranks (``distributed``). Under ``gamma: auto`` the
         held-out sequences are folded into them too, and each difference module's gamma
@@ -445,41 +456,43 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                     f"sequence, and {self._module_names[module]} saw none: calibrate on at "
                     f"least {self.holdout_every} sequences (or lower holdout_every)"
                 )
-            best, errors = select_gamma(
+            best, errors, standard_errors = select_gamma(
                 self.candidate_gammas(),
-                lambda gamma, group=group: {m: self.candidate_weight(m, gamma) for m in group},
+                lambda gammas, group=group: self.candidate_weights(group, gammas),
                 lambda pruned, group=group, mlp=mlp, inputs=inputs: self._held_out_errors(
                     group, mlp, inputs, pruned
                 ),
+                self.gamma_evidence,
+                all_reduce_sum,
             )
             for m in group:
                 self._chosen_gammas[m] = best
                 self._gamma_record[self._module_names[m]] = {
                     "gamma": best,
                     "held_out_error": {str(gamma): error for gamma, error in errors.items()},
+                    "difference_se": {str(g): se for g, se in standard_errors.items()},
                 }
             logger.info(
                 f"{', '.join(self._module_names[m] for m in group)}: gamma {best} "
-                f"(held-out error {errors[best]:.4g}; candidates {errors})"
+                f"(mean held-out error {errors[best]:.4g}; candidates {errors}, standard "
+                f"errors of their difference to {max(errors)} {standard_errors})"
             )
 
-    def _held_out_errors(self, group, mlp, inputs, candidates: list[dict]) -> list[float]:
-        """Each candidate's gated MLP block output error (or the module's own), summed
-        over ranks."""
+    def _held_out_errors(self, group, mlp, inputs, candidates: list[dict]) -> torch.Tensor:
+        """Each candidate's gated MLP block output error (or the module's own) on each of
+        this rank's held-out sequences, ``[candidates, sequences]``."""
         parts = [mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else group
         with contextlib.ExitStack() as stack:
             for part in parts:
                 stack.enter_context(align_module_device(part))
             if mlp is None:
                 (module,) = group
-                local = output_errors(inputs, module.weight, [c[module] for c in candidates])
-            else:
-                gate, up = mlp.gate_proj, mlp.up_proj
-                local = gated_mlp_errors(
-                    inputs, gate.weight, up.weight, mlp.down_proj.weight, mlp.act_fn,
-                    [(c.get(gate, gate.weight), c.get(up, up.weight)) for c in candidates],
-                )  # fmt: skip
-        return [all_reduce_sum(error) for error in local]
+                return output_errors(inputs, module.weight, [c[module] for c in candidates])
+            gate, up = mlp.gate_proj, mlp.up_proj
+            return gated_mlp_errors(
+                inputs, gate.weight, up.weight, mlp.down_proj.weight, mlp.act_fn,
+                [(c.get(gate, gate.weight), c.get(up, up.weight)) for c in candidates],
+            )  # fmt: skip
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._last_input = self._last_differences = None  # release the layer's last batch

@@ -142,10 +142,12 @@ def _reduce_mean(mean: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
     return (weighted / max(total, 1)).to(mean.dtype), total
 
 
-def all_reduce_sum(value: float) -> float:
-    """``value`` summed over ranks, in float64 (itself in one process)."""
+def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
+    """``value`` (a number or a float64 tensor) summed over ranks (itself in one process)."""
     if not is_distributed():
         return value
+    if isinstance(value, torch.Tensor):
+        return _all_reduce(value.to(torch.float64).clone())
     return float(_all_reduce(torch.tensor([value], dtype=torch.float64)).item())
 
 

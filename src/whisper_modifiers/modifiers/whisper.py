@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from compressed_tensors.utils import (
     align_module_device,
@@ -21,7 +23,7 @@ from pydantic import Field, PrivateAttr
 from whisper_modifiers.modifiers.base import DifferencePruningBase, Gamma
 from whisper_modifiers.modifiers.distributed import solve_on_owners
 from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
-from whisper_modifiers.solvers import alps_prune
+from whisper_modifiers.solvers import alps_prune, sparsegpt_prune_batch
 from whisper_modifiers.statistics import accumulate_gram, regularized_difference_hessian
 
 __all__ = ["ALPSModifier", "ALPSWhisperModifier", "WhisperModifier"]
@@ -127,6 +129,30 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
                 self.block_size, self.dampening_frac, self.preserve_sparsity_mask,
             )[1]  # fmt: skip
 
+    def candidate_weights(self, group, gammas: list[float]) -> list[dict]:
+        """SparseGPT's solve at every candidate gamma, gate and up (same shape and
+        sparsity) at all gammas in one batch (``solvers.sparsegpt_prune_batch``, which is
+        ``sparsify_weight`` per problem): one loop over the columns instead of one per
+        module and gamma."""
+        sparsities = {self._module_sparsities[m] for m in group}
+        if (self.preserve_sparsity_mask or len(sparsities) > 1
+                or len({tuple(m.weight.shape) for m in group}) > 1
+                or not all(isinstance(m, torch.nn.Linear) for m in group)):  # fmt: skip
+            return super().candidate_weights(group, gammas)
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for module in group:
+                stack.enter_context(align_module_device(module))
+            problems = [(m, gamma) for gamma in gammas for m in group]
+            pruned = sparsegpt_prune_batch(
+                torch.stack([m.weight for m, _ in problems]),
+                torch.stack([self.regularized_hessian(m, g).to(m.weight.device)
+                             for m, g in problems]),
+                sparsities.pop(), self._prune_n, self._prune_m, self.block_size,
+                self.dampening_frac,
+            ).to(group[0].weight.dtype)  # fmt: skip
+        weights = iter(pruned)
+        return [{module: next(weights) for module in group} for _ in gammas]
+
     def solve(self):
         """Prune every calibrated module with its Hessian: SparseGPT's solver."""
         SparseGPTModifier.compress_modules(self)
@@ -177,6 +203,10 @@ class ALPSWhisperModifier(WhisperModifier):
                 f"reconstruction error {result.objective:.4g}"
             )
             update_offload_parameter(module, "weight", result.weight)
+
+    def candidate_weights(self, group, gammas: list[float]) -> list[dict]:
+        """ALPS at each candidate, one module at a time."""
+        return DifferencePruningBase.candidate_weights(self, group, gammas)
 
     def candidate_weight(self, module, gamma: float) -> torch.Tensor:
         """ALPS with ``H~`` at ``gamma`` (the weight is not written)."""
