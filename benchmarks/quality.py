@@ -11,8 +11,9 @@ Each (model, method, sparsity) runs with ``--seeds`` seeds (seed = calibration s
 pair permutation); the table reports mean +- standard error. Writes
 ``quality.json``, ``quality.md``, ``perplexity_vs_sparsity.png`` (paper Figure 1) and
 ``perplexity_vs_time.png`` (paper Figure 3, with the Pareto front) to ``--out``; with
-``gamma: auto`` variants also the comparison with each baseline (never worse?) and
-``gamma_per_layer.png``, the chosen gamma per layer. Gemma-3-270M (``gemma3-270m``) is
+``gamma: auto`` variants also the comparison with each baseline (never worse?),
+``gamma_auto_ratios.png`` (perplexity over the baseline's) and ``gamma_per_layer.png``,
+the chosen gamma per layer. Gemma-3-270M (``gemma3-270m``) is
 opt-in: ``bash scripts/install_gemma.sh`` first.
 """
 
@@ -41,9 +42,12 @@ from common import (  # noqa: E402
 SWEEP = ["0.5", "0.55", "0.6", "0.65", "0.7", "0.75"]
 GAMMA_AUTO = ["sparsegpt", "whisper", "whisper:gamma=auto", "wanda", "wisp", "wisp:gamma=auto",
               "wisp_plus:gamma=auto",
-              # the plain least-error rule, without the evidence gamma 1 is left on
-              "whisper:gamma=auto;gamma_evidence=0", "wisp:gamma=auto;gamma_evidence=0",
-              "wisp_plus:gamma=auto;gamma_evidence=0"]  # fmt: skip
+              # ablations: the summed squared error, with and without the evidence rule
+              "whisper:gamma=auto;gamma_criterion=absolute",
+              "wisp:gamma=auto;gamma_criterion=absolute",
+              "whisper:gamma=auto;gamma_criterion=absolute;gamma_evidence=0",
+              "wisp:gamma=auto;gamma_criterion=absolute;gamma_evidence=0",
+              "wisp_plus:gamma=auto;gamma_criterion=absolute;gamma_evidence=0"]  # fmt: skip
 GAMMA_AUTO_SPARSITIES = ["2:4", "0.65"]
 
 
@@ -145,6 +149,7 @@ def main(argv=None) -> int:
     (args.out / "quality.md").write_text(markdown(results))
     plot(results, args.out)
     plot_gamma_per_layer(results, args.out)
+    plot_baseline_ratios(results, args.out)
     print(markdown(results))
     return 0
 
@@ -293,9 +298,53 @@ def plot_sparsity_sweep(models, colors, out: Path, plt) -> None:
     plt.close(fig)
 
 
+def plot_baseline_ratios(results, out: Path) -> None:
+    """``gamma_auto_ratios.png``: perplexity over the baseline's for each method at its
+    fixed default gamma and with ``gamma: auto``'s defaults, a bar per variant and
+    sparsity (error bar: the variant's s.e.m. over the baseline), a panel per model."""
+    from whisper_modifiers.methods import BASELINE_OF
+
+    panels = []
+    for model_name, entry in results["models"].items():
+        bars = []
+        for label, cells in entry["runs"].items():
+            for variant, cell in cells.items():
+                method, _, options = variant.partition(":")
+                baseline = cells.get(BASELINE_OF.get(method, ""))
+                if baseline is None or options not in ("", "gamma=auto"):
+                    continue
+                scale = baseline["perplexity"]
+                bars.append((f"{variant}\n{label}", cell["perplexity"] / scale,
+                             cell["perplexity_sem"] / scale, options == "gamma=auto"))  # fmt: skip
+        if bars:
+            panels.append((model_name, bars))
+    if not panels:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.1 * max(len(b) for _, b in panels) + 2,
+                             4), squeeze=False)  # fmt: skip
+    for ax, (model_name, bars) in zip(axes[0], panels, strict=True):
+        names, ratios, errors, auto = zip(*bars, strict=True)
+        ax.bar(range(len(bars)), ratios, yerr=errors, capsize=3,
+               color=["C2" if a else "C7" for a in auto])  # fmt: skip
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xticks(range(len(bars)), names, rotation=60, ha="right", fontsize=7)
+        ax.set(title=f"{model_name}: perplexity / baseline (green: gamma auto)",
+               ylabel="ppl / SparseGPT or Wanda", ylim=(min(0.9, min(ratios) - 0.05),
+                                                       max(ratios) + 0.05))  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(out / "gamma_auto_ratios.png", dpi=120)
+    plt.close(fig)
+
+
 def plot_gamma_per_layer(results, out: Path) -> None:
     """The gamma ``auto`` chose per layer (gate and up share one), a panel per model and
-    sparsity, a line per variant (mean over seeds, each seed a dot)."""
+    sparsity, a line per variant with ``gamma: auto``'s defaults (mean over seeds, each
+    seed a dot; the ablations' choices are in ``quality.json``)."""
     import re
 
     panels = [(model_name, label, cells) for model_name, entry in results["models"].items()
@@ -311,6 +360,8 @@ def plot_gamma_per_layer(results, out: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (model_name, label, cells) in zip(axes[0], panels, strict=True):
         for index, (variant, cell) in enumerate(cells.items()):
+            if variant.partition(":")[2] != "gamma=auto":
+                continue
             per_layer = {}
             for run in cell["runs"]:
                 for name, gamma in (run.get("gamma") or {}).items():

@@ -56,6 +56,7 @@ def test_gamma_auto_table_and_plot(tmp_path):
     )
     assert "| 2:4 | whisper:gamma=auto | sparsegpt |" in (tmp_path / "quality.md").read_text()
     assert (tmp_path / "gamma_per_layer.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "gamma_auto_ratios.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):

@@ -43,6 +43,7 @@ from whisper_modifiers.selection import (
     paired_means,
     paired_sums,
     select_gamma,
+    sequence_error,
 )
 from whisper_modifiers.statistics import (
     accumulate_gram,
@@ -331,14 +332,25 @@ def test_output_error_and_ties():
     x = [torch.eye(3)]
     weight = torch.arange(6.0).reshape(2, 3)
     pruned = weight * torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
-    assert output_errors(x + [2 * x[0]], weight, [pruned, weight]).tolist() == [
-        [1.0 + 9.0, 4 * (1.0 + 9.0)],
-        [0.0, 0.0],
-    ]
-    gate, up, down = weight, weight.flip(0), torch.eye(2)
-    [[error]] = gated_mlp_errors(x, gate, up, down, F.silu, [(pruned, up)]).tolist()
-    expected = (F.silu(x[0] @ gate.t()) - F.silu(x[0] @ pruned.t())) * (x[0] @ up.t())
-    assert error == pytest.approx(float(expected.square().sum()))
+    absolute = output_errors(x + [2 * x[0]], weight, [pruned, weight], "absolute")
+    assert absolute.tolist() == [[1.0 + 9.0, 4 * (1.0 + 9.0)], [0.0, 0.0]]
+    # relative: per token (the rows of x[0]) ||e_t||^2 / ||W x_t||^2, averaged over tokens
+    dense = x[0] @ weight.t()
+    change = x[0] @ (weight - pruned).t()
+    expected = (change.square().sum(1) / dense.square().sum(1)).mean()
+    relative = output_errors(x + [2 * x[0]], weight, [pruned, weight])
+    assert relative[0].tolist() == pytest.approx([float(expected)] * 2)  # scale-free
+    assert relative[1].tolist() == [0.0, 0.0]
+    gate, up, down = weight, weight.flip(0), torch.tensor([[1.0, 2.0], [0.5, -1.0]])
+    x = [torch.randn(5, 3, generator=torch.Generator().manual_seed(0))]
+    for criterion in ("absolute", "relative"):
+        [[error]] = gated_mlp_errors(x, gate, up, down, F.silu, [(pruned, up)], criterion).tolist()
+        dense = (F.silu(x[0] @ gate.t()) * (x[0] @ up.t())) @ down.t()
+        change = dense - (F.silu(x[0] @ pruned.t()) * (x[0] @ up.t())) @ down.t()
+        expected = change.square().sum()
+        if criterion == "relative":
+            expected = (change.square().sum(1) / dense.square().sum(1)).mean()
+        assert error == pytest.approx(float(expected), rel=1e-5)
     assert choose_gamma({0.1: 2.0, 1.0: 2.0, 0.3: 3.0}) == 1.0  # a tie goes to the baseline
 
 
@@ -360,6 +372,27 @@ def test_paired_means_against_the_direct_formula():
         standard_errors
     )
     assert paired_means(paired_sums(errors[:, :1], 2), 2)[1] == [float("inf")] * 2 + [0.0]
+
+
+def test_a_massive_token_decides_the_absolute_criterion_only():
+    """One token with a 1000x larger output (an attention sink) where candidate A errs
+    less, every other token where it errs more: the absolute sum follows the one token,
+    the relative error the rest."""
+    dense = torch.ones(8, 4, dtype=torch.float64)
+    dense[0] *= 1000.0
+    error_a = torch.full((8, 4), 0.2, dtype=torch.float64)
+    error_a[0] = 10.0
+    error_b = torch.full((8, 4), 0.1, dtype=torch.float64)
+    error_b[0] = 20.0
+
+    def better(criterion):
+        a, b = (sequence_error(e, dense, criterion) for e in (error_a, error_b))
+        return "a" if a < b else "b"
+
+    assert better("absolute") == "a"
+    assert better("relative") == "b"
+    with pytest.raises(ValueError, match="criterion must be 'relative' or 'absolute'"):
+        sequence_error(error_a, dense, "median")
 
 
 def test_a_candidate_leaves_the_baseline_only_on_evidence():
@@ -396,6 +429,7 @@ def test_a_candidate_leaves_the_baseline_only_on_evidence():
         ({"gamma": "auto", "gamma_candidates": [2.0]}, "gamma_candidates"),
         ({"gamma": "auto", "holdout_every": 1}, "holdout_every"),
         ({"gamma": "auto", "gamma_evidence": -1.0}, "gamma_evidence"),
+        ({"gamma": "auto", "gamma_criterion": "median"}, "gamma_criterion"),
     ],
 )
 @pytest.mark.parametrize("ours", [WispModifier, WhisperModifier], ids=lambda c: c.__name__)

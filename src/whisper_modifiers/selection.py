@@ -14,11 +14,13 @@ pruned module does to **held-out** calibration sequences:
 The error is what the rest of the network sees.  For a gated MLP's gate and up
 projections (which share their input, their ``H`` and ``H_Delta``, and so one gamma), it
 is the MLP block's output error through the SiLU/GELU gating and the dense down
-projection: ``sum_t ||W_down (act(G x_t) * U x_t - act(G^ x_t) * U^ x_t)||^2``.  The
-gating is where the difference criteria's argument lives (keeping neurons able to tell
-inputs apart), and where a plain reconstruction error of ``G`` alone cannot see the
-interaction with ``U``.  Any other module gets its own output error
-``sum_t ||(W - W^) x_t||^2``.
+projection, ``e_t = W_down (act(G x_t) * U x_t - act(G^ x_t) * U^ x_t)``.  The gating is
+where the difference criteria's argument lives (keeping neurons able to tell inputs
+apart), and where a plain reconstruction error of ``G`` alone cannot see the interaction
+with ``U``.  Any other module gets its own output error ``e_t = (W - W^) x_t``.  A
+sequence's error is ``mean_t ||e_t||^2 / ||y_t||^2`` against the dense output ``y_t``
+(``gamma_criterion: relative``) or ``sum_t ||e_t||^2`` (``absolute``): see
+``sequence_error``.
 
 The largest candidate is the reference: gamma = 1 is the baseline (SparseGPT / Wanda).
 A few held-out sequences measure the other candidates noisily, and a layer that leaves
@@ -42,6 +44,7 @@ __all__ = [
     "WISP_GAMMA_CANDIDATES",
     "choose_gamma",
     "select_gamma",
+    "sequence_error",
     "gated_mlp_errors",
     "is_held_out",
     "output_errors",
@@ -62,18 +65,42 @@ def is_held_out(sequence_index: int, holdout_every: int) -> bool:
     return sequence_index % holdout_every == holdout_every - 1
 
 
+def sequence_error(error: torch.Tensor, dense: torch.Tensor, criterion: str) -> torch.Tensor:
+    """One held-out sequence's error from its per-token output errors ``error`` and the
+    dense outputs ``dense`` (both ``[tokens, d]``), in float64:
+
+    * ``"absolute"``: ``sum_t ||e_t||^2``;
+    * ``"relative"``: ``mean_t ||e_t||^2 / ||y_t||^2``, each token's error against the
+      size of the output it perturbs.  A few massive-activation tokens (attention sinks)
+      can carry almost all of a layer's squared error while their huge hidden states
+      hardly notice it; the relative error does not let them decide (README).
+    """
+    squared = error.square().sum(dim=-1, dtype=torch.float64)
+    if criterion == "absolute":
+        return squared.sum()
+    if criterion != "relative":
+        raise ValueError(f"criterion must be 'relative' or 'absolute', got {criterion!r}")
+    size = dense.square().sum(dim=-1, dtype=torch.float64)
+    return (squared / size.clamp_min(torch.finfo(torch.float64).tiny)).mean()
+
+
 @torch.no_grad()
 def output_errors(
-    inputs: Iterable[torch.Tensor], weight: torch.Tensor, candidates: list[torch.Tensor]
+    inputs: Iterable[torch.Tensor],
+    weight: torch.Tensor,
+    candidates: list[torch.Tensor],
+    criterion: str = "relative",
 ) -> torch.Tensor:
-    """``[candidates, sequences]``: ``sum_t ||(W - W^) x_t||_2^2`` over the tokens of each
-    sequence of ``inputs`` (each ``[tokens, m]``) for each pruned weight ``W^`` in
-    ``candidates``; float32, summed in float64."""
-    changes = [(weight.float() - pruned.float()).t() for pruned in candidates]
+    """``[candidates, sequences]``: ``sequence_error`` of ``(W - W^) x_t`` against
+    ``W x_t`` over the tokens of each sequence of ``inputs`` (each ``[tokens, m]``) for
+    each pruned weight ``W^`` in ``candidates``; float32, summed in float64."""
+    weight = weight.float()
+    changes = [(weight - pruned.float()).t() for pruned in candidates]
     errors = []
     for x in inputs:
         x = x.to(device=weight.device, dtype=torch.float32)
-        errors.append([(x @ change).square().sum(dtype=torch.float64) for change in changes])
+        dense = x @ weight.t()
+        errors.append([sequence_error(x @ change, dense, criterion) for change in changes])
     return _per_sequence(errors, len(candidates))
 
 
@@ -85,22 +112,24 @@ def gated_mlp_errors(
     down: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor],
     candidates: list[tuple[torch.Tensor, torch.Tensor]],
+    criterion: str = "relative",
 ) -> torch.Tensor:
-    """``[candidates, sequences]``: a gated MLP block's output error ``sum_t ||W_down
-    (act(G x_t) * (U x_t) - act(G^ x_t) * (U^ x_t))||_2^2`` over the tokens of each
-    sequence of ``inputs`` (each ``[tokens, m]``) for each pruned ``(G^, U^)`` in
-    ``candidates``, with the dense down projection; the dense block is computed once per
-    sequence. float32, summed in float64."""
+    """``[candidates, sequences]``: ``sequence_error`` of a gated MLP block's output error
+    ``W_down (act(G x_t) * (U x_t) - act(G^ x_t) * (U^ x_t))`` against its dense output
+    over the tokens of each sequence of ``inputs`` (each ``[tokens, m]``) for each pruned
+    ``(G^, U^)`` in ``candidates``, with the dense down projection; the dense block is
+    computed once per sequence. float32, summed in float64."""
     gate, up, down = gate.float(), up.float(), down.float()
     candidates = [(pruned_gate.float(), pruned_up.float()) for pruned_gate, pruned_up in candidates]
     errors = []
     for x in inputs:
         x = x.to(device=gate.device, dtype=torch.float32)
-        dense = activation(F.linear(x, gate)) * F.linear(x, up)
+        hidden = activation(F.linear(x, gate)) * F.linear(x, up)
+        dense = F.linear(hidden, down)
         row = []
         for pruned_gate, pruned_up in candidates:
             pruned = activation(F.linear(x, pruned_gate)) * F.linear(x, pruned_up)
-            row.append(F.linear(dense - pruned, down).square().sum(dtype=torch.float64))
+            row.append(sequence_error(F.linear(hidden - pruned, down), dense, criterion))
         errors.append(row)
     return _per_sequence(errors, len(candidates))
 

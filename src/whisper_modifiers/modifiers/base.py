@@ -99,6 +99,10 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
         per-held-out-sequence difference a candidate's mean error must beat the largest
         candidate's (the baseline's, gamma 1) by to be chosen over it; ``0`` picks the
         least error (``selection.choose_gamma``).
+    :param gamma_criterion: with ``gamma: auto``, a held-out sequence's error:
+        ``"relative"`` (each token's output error against its dense output's squared
+        norm, averaged over tokens) or ``"absolute"`` (squared errors summed over tokens);
+        ``selection.sequence_error``.
     """
 
     GAMMA_CANDIDATES: ClassVar[tuple[float, ...]] = ()
@@ -112,6 +116,7 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
     gamma_candidates: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = None
     holdout_every: int = Field(default=4, ge=2)
     gamma_evidence: float = Field(default=2.0, ge=0.0)
+    gamma_criterion: Literal["relative", "absolute"] = "relative"
 
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
@@ -487,11 +492,13 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 stack.enter_context(align_module_device(part))
             if mlp is None:
                 (module,) = group
-                return output_errors(inputs, module.weight, [c[module] for c in candidates])
+                return output_errors(inputs, module.weight, [c[module] for c in candidates],
+                                     self.gamma_criterion)  # fmt: skip
             gate, up = mlp.gate_proj, mlp.up_proj
             return gated_mlp_errors(
                 inputs, gate.weight, up.weight, mlp.down_proj.weight, mlp.act_fn,
                 [(c.get(gate, gate.weight), c.get(up, up.weight)) for c in candidates],
+                self.gamma_criterion,
             )  # fmt: skip
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
