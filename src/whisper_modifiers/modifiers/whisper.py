@@ -143,10 +143,14 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             for module in group:
                 stack.enter_context(align_module_device(module))
             problems = [(m, gamma) for gamma in gammas for m in group]
+            mixed = {}  # H~ per (input source, gamma): gate and up share one
+            for m, gamma in problems:
+                key = (self._pair_sources.get(m, m), gamma)
+                if key not in mixed:
+                    mixed[key] = self.regularized_hessian(m, gamma).to(m.weight.device)
             pruned = sparsegpt_prune_batch(
                 torch.stack([m.weight for m, _ in problems]),
-                torch.stack([self.regularized_hessian(m, g).to(m.weight.device)
-                             for m, g in problems]),
+                torch.stack([mixed[self._pair_sources.get(m, m), g] for m, g in problems]),
                 sparsities.pop(), self._prune_n, self._prune_m, self.block_size,
                 self.dampening_frac,
             ).to(group[0].weight.dtype)  # fmt: skip
