@@ -93,6 +93,19 @@ def calibration_set(spec: ModelSpec, tokenizer, seed: int, num_sequences=None, s
     )
 
 
+def on_evaluation_device(model):
+    """The model whole on the GPU when there is one (llmcompressor's
+    ``dispatch_for_generation``, which also ends the onloading that ``oneshot`` leaves
+    behind); unchanged on a CPU-only machine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return model
+    from llmcompressor.utils import dispatch_for_generation
+
+    return dispatch_for_generation(model)
+
+
 def spec_perplexity(model, spec: ModelSpec, tokenizer, eval_ids, windows) -> float:
     """``evaluation.perplexity`` under ``spec``'s protocol (BOS-led windows for Gemma)."""
     from whisper_modifiers.evaluation import perplexity
@@ -201,6 +214,7 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                     model, _ = load(spec)
                     dataset = calibration_set(spec, tokenizer, seed, num_sequences, seq_len)
                     seconds, memory = prune(model, tokenizer, dataset, recipe)
+                    model = on_evaluation_device(model)
                     ppl = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
                     cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
                                   "peak_bytes": memory, "gamma": chosen_gammas(recipe)}  # fmt: skip

@@ -4,8 +4,10 @@
     python benchmarks/quality.py --sparsities 2:4 0.5 0.65 --sweep
     python benchmarks/quality.py --composites --models smollm2-135m --out results/composites
     python benchmarks/quality.py --models smollm2-135m --paper-protocol   # bigger machines
-    python benchmarks/quality.py --gamma-auto --models smollm2-135m gemma3-270m \
-        --num-sequences 64 --seq-len 1024 --out benchmarks/results/gamma_auto
+    python benchmarks/quality.py --models smollm2-135m gemma3-270m --sparsities 2:4 0.65 \
+        --methods sparsegpt whisper whisper:gamma=auto wanda wisp wisp:gamma=auto \
+        wisp_plus:gamma=auto wisp_plus --num-sequences 64 --seq-len 1024 \
+        --eval-windows 0 64 --cache runs.json --out benchmarks/results/gamma_auto_gpu
 
 Each (model, method, sparsity) runs with ``--seeds`` seeds (seed = calibration sample and
 pair permutation); the table reports mean +- standard error. Writes
@@ -33,7 +35,9 @@ from common import (  # noqa: E402
     evaluation_ids,
     load,
     model_specs,
+    on_evaluation_device,
     quiet_logs,
+    run_key,
     run_variants,
     spec_perplexity,
     write_json,
@@ -79,7 +83,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--num-sequences", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--eval-windows", type=int, default=None, help="0 = all windows")
+    parser.add_argument(
+        "--eval-windows",
+        type=int,
+        nargs="+",
+        default=None,
+        help="evaluation windows, one for every model or one per --models entry (0 = all)",
+    )
     parser.add_argument(
         "--paper-protocol",
         action="store_true",
@@ -95,7 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cached-only",
         action="store_true",
-        help="run nothing: tables and plots from the --cache file's finished cells",
+        help="run nothing: tables and plots from the --cache file's finished cells (the "
+        "dense perplexity too, once cached)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -107,6 +118,9 @@ def main(argv=None) -> int:
         args.sparsities = GAMMA_AUTO_SPARSITIES if args.gamma_auto else ["2:4"]
     quiet_logs()
 
+    if args.eval_windows is not None and len(args.eval_windows) not in (1, len(args.models)):
+        parser.error(f"--eval-windows takes 1 or {len(args.models)} values (one per model), "
+                     f"not {len(args.eval_windows)}")  # fmt: skip
     sparsities = list(dict.fromkeys(args.sparsities + (SWEEP if args.sweep else [])))
     specs = model_specs()
     results = {"config": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
@@ -118,7 +132,7 @@ def main(argv=None) -> int:
         if args.cache:
             write_json(args.cache, cache)
 
-    for model_name in args.models:
+    for index, model_name in enumerate(args.models):
         spec = specs[model_name]
         if args.paper_protocol:
             spec = type(spec)(**(vars(spec) | {
@@ -130,10 +144,18 @@ def main(argv=None) -> int:
             "num_sequences": args.num_sequences or spec.num_sequences,
             "seq_len": args.seq_len or spec.seq_len,
         }))  # fmt: skip
-        windows = spec.eval_windows if args.eval_windows is None else (args.eval_windows or None)
-        model, tokenizer = load(spec)
-        eval_ids = evaluation_ids(spec, tokenizer)
-        dense = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
+        windows = spec.eval_windows
+        if args.eval_windows is not None:
+            windows = args.eval_windows[index if len(args.eval_windows) > 1 else 0] or None
+        dense_key = run_key(spec, windows, [], None)  # the dense model's run
+        tokenizer = eval_ids = None
+        if not (args.cached_only and dense_key in cache):
+            model, tokenizer = load(spec)
+            eval_ids = evaluation_ids(spec, tokenizer)
+            cache[dense_key] = {"perplexity": spec_perplexity(
+                on_evaluation_device(model), spec, tokenizer, eval_ids, windows)}  # fmt: skip
+            del model
+        dense = cache[dense_key]["perplexity"]
         print(f"[{model_name}] dense perplexity {dense:.3f}", flush=True)
         entry = results["models"][model_name] = {
             "spec": vars(spec) | {"eval_windows": windows},

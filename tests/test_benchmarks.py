@@ -6,6 +6,8 @@ import json
 import statistics
 import sys
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -68,7 +70,10 @@ def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
     # num_permutations=1 is the default: the same recipe, so the same two runs
     assert quality.main([*argv, "--methods", "wisp", "wisp:num_permutations=1"]) == 0
     runs = json.loads(cache.read_text())
-    assert len(runs) == 2
+    assert len(runs) == 3  # two seeds and the dense model
+    (dense,) = [run for run in runs.values() if "seed" not in run]
+    assert dense["perplexity"] == json.loads((tmp_path / "quality.json").read_text())[
+        "models"]["stories260K"]["dense"]  # fmt: skip
     first = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
     assert first["2:4"]["wisp"] == first["2:4"]["wisp:num_permutations=1"]
 
@@ -79,10 +84,19 @@ def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
     assert quality.main([*argv, "--methods", "wisp:num_permutations=1"]) == 0  # resumes
     again = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
     assert again["2:4"]["wisp:num_permutations=1"] == first["2:4"]["wisp"]
-    # --cached-only: tables from finished cells; a cell never run is left out, not run
+    # --cached-only: tables from finished cells; a cell never run is left out, not run, and
+    # the model is not even loaded (the dense perplexity is cached too)
+    monkeypatch.setattr(quality, "load", no_pruning)
     assert quality.main([*argv, "--cached-only", "--methods", "wisp", "wanda"]) == 0
     tables = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
     assert list(tables["2:4"]) == ["wisp"]
+
+
+def test_eval_windows_are_one_for_all_models_or_one_per_model(capsys):
+    argv = ["--models", "stories260K", "smollm2-135m", "--eval-windows", "1", "2", "3"]
+    with pytest.raises(SystemExit):
+        quality.main(argv)
+    assert "--eval-windows takes 1 or 2 values" in capsys.readouterr().err
 
 
 def test_speed_benchmark_reports_centered_ratios(tmp_path):
