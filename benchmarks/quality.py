@@ -152,8 +152,9 @@ def main(argv=None) -> int:
         if not (args.cached_only and dense_key in cache):
             model, tokenizer = load(spec)
             eval_ids = evaluation_ids(spec, tokenizer)
-            cache[dense_key] = {"perplexity": spec_perplexity(
-                on_evaluation_device(model), spec, tokenizer, eval_ids, windows)}  # fmt: skip
+            if dense_key not in cache:  # a resumed benchmark does not evaluate it again
+                cache[dense_key] = {"perplexity": spec_perplexity(
+                    on_evaluation_device(model), spec, tokenizer, eval_ids, windows)}  # fmt: skip
             del model
         dense = cache[dense_key]["perplexity"]
         print(f"[{model_name}] dense perplexity {dense:.3f}", flush=True)
