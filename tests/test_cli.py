@@ -52,6 +52,12 @@ def test_missing_model(tmp_path, capsys):
         ("a: [unclosed", "cannot be used"),
         ("s_stage:\n  s_modifiers:\n    NoSuchModifier:\n      sparsity: 0.5\n", "cannot be used"),
         ("s_stage:\n  s_modifiers:\n    WispModifier:\n      sparsity: 1.5\n", "sparsity"),
+        (
+            "s_stage:\n  s_modifiers:\n    QuantizationModifier:\n      scheme: W8A8\n"
+            "      targets: [Linear]\n      ignore: [lm_head]\n"
+            "    WispModifier:\n      sparsity: 0.5\n",
+            "QuantizationModifier comes before WispModifier; prune first, then quantize",
+        ),
     ],
 )
 def test_unusable_recipe(tmp_path, capsys, content, message):
@@ -71,3 +77,52 @@ def test_existing_checkpoint_is_not_overwritten(tmp_path, capsys):
     assert main([*FAST, "--recipe", "wanda_2of4", "--output-dir", str(out)]) == 2
     assert "already holds a whisper-prune checkpoint" in capsys.readouterr().err
     assert (out / "config.json").read_text() == "{}"
+
+
+def refuse_non_finite(constant):
+    raise ValueError(f"not strict JSON: {constant}")
+
+
+def test_record_and_report_are_strict_json_and_count_the_windows_evaluated(tmp_path):
+    """gamma: auto on 4 sequences holds out one, so a standard error over it is infinite:
+    written as null. --eval-windows beyond the text's windows reports those evaluated."""
+    from whisper_modifiers.checkpoint import RECORD_FILE
+    from whisper_modifiers.evaluation import evaluation_text, evaluation_windows
+
+    out = tmp_path / "ckpt"
+    argv = [*FAST, "--recipe", "wisp_auto_2of4", "--output-dir", str(out)]
+    argv[argv.index("--eval-windows") + 1] = "1000"
+    assert main(argv) == 0
+    record = json.loads((out / RECORD_FILE).read_text(), parse_constant=refuse_non_finite)
+    errors = [choice["difference_se"] for choice in record["gamma_selection"].values()]
+    assert any(se is None for choices in errors for se in choices.values())
+    report = json.loads((out / REPORT_FILE).read_text(), parse_constant=refuse_non_finite)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    ids = tokenizer(evaluation_text(str(HELDOUT_TEXT)), add_special_tokens=False)["input_ids"]
+    assert report["evaluation"]["windows"] == len(evaluation_windows(ids, 128)) < 1000
+
+
+def test_strict_json_writes_non_finite_numbers_as_null():
+    from whisper_modifiers.checkpoint import strict_json
+
+    text = strict_json({"a": float("inf"), "b": [1.5, float("nan")], "c": {"d": -float("inf")}})
+    assert json.loads(text, parse_constant=refuse_non_finite) == {
+        "a": None, "b": [1.5, None], "c": {"d": None}
+    }  # fmt: skip
+
+
+def test_same_calibration_and_evaluation_file_is_warned_about(tmp_path):
+    from loguru import logger
+
+    messages = []
+    sink = logger.add(messages.append, level="WARNING")
+    try:
+        argv = [*FAST, "--recipe", "wanda_2of4", "--output-dir", str(tmp_path / "o"),
+                "--skip-dense-eval"]  # fmt: skip
+        argv[argv.index("--eval-text") + 1] = str(CALIBRATION_TEXT)
+        assert main(argv) == 0
+    finally:
+        logger.remove(sink)
+    assert any("--calibration and --eval-text are the same file" in m for m in messages)

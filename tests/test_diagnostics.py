@@ -56,3 +56,21 @@ def test_whisper_diagnose_writes_its_files(tmp_path, capsys):
                 "gamma_sweep"):  # fmt: skip
         assert (out / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     assert "Wasserstein neurons" in capsys.readouterr().out
+    # the output-directory rules of whisper-prune: an earlier report is never replaced
+    # silently, and a directory it did not write never at all
+    (out / "diagnostics.json").write_text('{"mine": 1}')
+    assert main(argv) == 2
+    assert "already holds diagnostics.json of an earlier whisper-diagnose" in (
+        capsys.readouterr().err
+    )
+    assert json.loads((out / "diagnostics.json").read_text()) == {"mine": 1}
+    assert main([*argv, "--overwrite"]) == 0
+    assert json.loads((out / "diagnostics.json").read_text())["module"] == report["module"]
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("keep me")
+    argv[argv.index("--out") + 1] = str(foreign)
+    assert main([*argv, "--overwrite"]) == 2
+    assert "was not written by whisper-diagnose" in capsys.readouterr().err
+    assert (foreign / "todo.txt").read_text() == "keep me"
+    assert not [p for p in tmp_path.iterdir() if "partial" in p.name]

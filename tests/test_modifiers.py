@@ -241,6 +241,17 @@ def test_malformed_mask_structure(structure):
         WispModifier(sparsity=0.5, mask_structure=structure)
 
 
+@pytest.mark.parametrize("ours", [WispModifier, WhisperModifier])
+def test_n_m_that_does_not_divide_a_layer_is_refused_naming_it(run_oneshot, ours):
+    """stories260K's down_proj has 172 inputs: 4:8 would zero its last group whole."""
+    modifier = ours(sparsity=0.5, mask_structure="4:8")
+    message = r"mask_structure '4:8' needs a multiple of 8 inputs .* model.layers.0.mlp.down_proj"
+    with pytest.raises(ValueError, match=message):
+        modifier.check_difference_targets(load_model())  # whisper-prune's preflight
+    with pytest.raises(ValueError, match=message):
+        run_oneshot([ours(sparsity=0.5, mask_structure="4:8")])
+
+
 def test_sparsity_must_agree_with_n_m():
     with pytest.raises(ValueError, match="contradicts mask_structure"):
         WhisperModifier(sparsity=0.7, mask_structure="2:4")

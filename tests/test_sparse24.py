@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy
 import pytest
@@ -13,8 +14,10 @@ from transformers import AutoModelForCausalLM
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR
 from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
+from whisper_modifiers.serve_cli import main as whisper_serve
 from whisper_modifiers.sparse_serving import (
     QUANT_METHOD,
+    CorruptCheckpointError,
     NotTwoFourError,
     check_two_four,
     compress_24,
@@ -164,3 +167,79 @@ def test_unstructured_and_4_bit_recipes_keep_the_dense_layout(tmp_path, recipe):
     assert json.loads((out / REPORT_FILE).read_text())["layout"] == "dense"
     quantization = check_checkpoint(out).get("quantization_config") or {}
     assert quantization.get("quant_method") != QUANT_METHOD
+
+
+def test_decompress_refuses_a_bitmask_that_is_not_two_four_or_shapes_that_disagree():
+    weight = random_two_four(4, 16)
+    compressed, bitmask = compress_24(weight, "w")
+    moved = unpack_bits(bitmask, 16).clone()
+    row = moved[0]  # one mark moved from group 0 to group 1: the row's count is unchanged
+    first_kept, first_free = int(row[:4].nonzero()[0]), int((~row[4:8]).nonzero()[0]) + 4
+    row[first_kept], row[first_free] = False, True
+    with pytest.raises(CorruptCheckpointError, match=r"layer\.bitmask is not 2:4: 2 of 16 "):
+        decompress_24(compressed, pack_bits(moved), (4, 16), "layer")
+    with pytest.raises(CorruptCheckpointError, match=r"layer\.compressed has shape \(4, 7\)"):
+        decompress_24(compressed[:, :7], bitmask, (4, 16), "layer")  # truncated
+    with pytest.raises(CorruptCheckpointError, match=r"layer\.bitmask has shape"):
+        decompress_24(compressed, bitmask, (4, 24), "layer")  # a wrong .shape
+    padded = pack_bits(torch.cat([unpack_bits(bitmask, 16), torch.ones(4, 8, dtype=bool)], 1))
+    with pytest.raises(CorruptCheckpointError, match="marks inputs past 12"):
+        decompress_24(compressed[:, :6], padded[:, :2], (4, 12), "layer")
+
+
+def test_a_corrupt_checkpoint_fails_loudly_in_every_loader(tmp_path, capsys):
+    """One bit of one layer's bitmask moved between two groups (the same count per row):
+    transformers and load_checkpoint raise, naming the layer, before returning a model."""
+    from safetensors.torch import load_file, save_file
+
+    good = tmp_path / "good"
+    assert whisper_prune([*FAST, "--recipe", "whisper_2of4", "--output-dir", str(good)]) == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    tensors = load_file(bad / "model.safetensors")
+    key = "model.layers.1.mlp.up_proj.bitmask"
+    bits = unpack_bits(tensors[key], 64)
+    row = bits[3]
+    first_kept, first_free = int(row[:4].nonzero()[0]), int((~row[4:8]).nonzero()[0]) + 4
+    row[first_kept], row[first_free] = False, True
+    tensors[key] = pack_bits(bits)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    message = r"model\.layers\.1\.mlp\.up_proj\.bitmask is not 2:4.*row 3"
+    with pytest.raises(CorruptCheckpointError, match=message):
+        load_checkpoint(bad)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
+    assert whisper_serve([str(bad), "--dry-run"]) == 2  # before vLLM starts
+    assert "up_proj.bitmask is not 2:4" in capsys.readouterr().err
+    # a .shape that disagrees with the config, and a file cut halfway
+    tensors = load_file(good / "model.safetensors")
+    tensors["model.layers.0.mlp.gate_proj.shape"] = torch.tensor([[64], [172]])  # swapped
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CorruptCheckpointError, match=r"gate_proj\.(shape|bitmask)"):
+        AutoModelForCausalLM.from_pretrained(bad, dtype=torch.float32)
+    data = (good / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert whisper_serve([str(bad), "--dry-run"]) == 2
+    assert f"{bad / 'model.safetensors'} cannot be read" in capsys.readouterr().err
+
+
+def test_our_checkpoints_as_model(tmp_path, capsys):
+    """A compressed 2:4 checkpoint prunes again (through its dense layout); a quantized
+    one is refused before any weight loads, saying why."""
+    first = tmp_path / "first"
+    assert whisper_prune([*FAST, "--recipe", "whisper_2of4", "--output-dir", str(first)]) == 0
+    again = [a if a != str(MODEL_DIR) else str(first) for a in FAST]
+    assert whisper_prune([*again, "--recipe", "wanda_2of4", "--output-dir",
+                          str(tmp_path / "again")]) == 0  # fmt: skip
+    assert check_checkpoint(tmp_path / "again")["quantization_config"]["quant_method"] == (
+        QUANT_METHOD
+    )
+    quantized = tmp_path / "w8a8"
+    assert whisper_prune([*FAST, "--recipe", "whisper_2of4_w8a8", "--output-dir",
+                          str(quantized)]) == 0  # fmt: skip
+    capsys.readouterr()
+    again = [a if a != str(MODEL_DIR) else str(quantized) for a in FAST]
+    assert whisper_prune([*again, "--recipe", "wanda_2of4", "--output-dir",
+                          str(tmp_path / "refused")]) == 2  # fmt: skip
+    assert f"--model {quantized} holds quantized weights" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()

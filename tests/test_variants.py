@@ -10,8 +10,8 @@ from reference import loop_channel_norms, loop_mapping_difficulty
 from test_modifiers import LAYER0, TWO_FOUR, assert_same_weights, record_inputs, two_four_mask
 from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
 from whisper_modifiers.statistics import (
-    accumulate_channel_norms,
-    accumulate_gram,
+    add_sequence_channel_norms,
+    add_sequence_grams,
     mapping_difficulty,
     nearest_neighbour_differences,
     pair_permutations,
@@ -38,13 +38,13 @@ def test_random_pairs_estimate_twice_the_centered_second_moment():
 def test_centered_statistics_by_subtraction():
     x = torch.randn(3, 11, 5, generator=torch.Generator().manual_seed(1)) + 2.0
     means = scaled_sequence_means(x)
-    norms, n = accumulate_channel_norms(torch.zeros(5), 0, x)
-    correction, _ = accumulate_channel_norms(torch.zeros(5), 0, means)
-    gram, _ = accumulate_gram(torch.zeros(5, 5), 0, x)
-    gram_correction, _ = accumulate_gram(torch.zeros(5, 5), 0, means)
+    norms = add_sequence_channel_norms(None, x)
+    correction = add_sequence_channel_norms(None, means)
+    gram = add_sequence_grams(None, x)
+    gram_correction = add_sequence_grams(None, means)
     centered = x - x.mean(dim=1, keepdim=True)
-    direct_norms, _ = accumulate_channel_norms(torch.zeros(5), 0, centered)
-    direct_gram, _ = accumulate_gram(torch.zeros(5, 5), 0, centered)
+    direct_norms = add_sequence_channel_norms(None, centered)
+    direct_gram = add_sequence_grams(None, centered)
     torch.testing.assert_close(norms - correction, direct_norms, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gram - gram_correction, direct_gram, rtol=1e-4, atol=1e-4)
 

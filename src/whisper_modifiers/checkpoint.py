@@ -13,12 +13,17 @@ checkpoint; ``load_checkpoint`` loads one in transformers with its weights dequa
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from pathlib import Path
 
 import torch
 
-from whisper_modifiers.sparse_serving.checkpoint import is_sparse24_checkpoint
+from whisper_modifiers.sparse_serving.checkpoint import (
+    is_sparse24_checkpoint,
+    verify_compressed_layers,
+    weight_files,
+)
 
 __all__ = [
     "RECORD_FILE",
@@ -31,6 +36,7 @@ __all__ = [
     "read_config",
     "overall_sparsity",
     "sparsity_record",
+    "strict_json",
     "write_record",
 ]
 
@@ -97,8 +103,25 @@ def sparsity_record(model: torch.nn.Module, **details) -> dict:
 def write_record(directory: str | Path, record: dict) -> Path:
     """Write ``record`` (from ``sparsity_record``) as ``sparsity_record.json``."""
     path = Path(directory) / RECORD_FILE
-    path.write_text(json.dumps(record, indent=2))
+    path.write_text(strict_json(record))
     return path
+
+
+def strict_json(value) -> str:
+    """``value`` as strict JSON (RFC 8259, which has no ``Infinity`` or ``NaN``): a
+    non-finite number, such as the standard error of a difference over one held-out
+    sequence, is written as ``null``."""
+
+    def finite(item):
+        if isinstance(item, float) and not math.isfinite(item):
+            return None
+        if isinstance(item, dict):
+            return {key: finite(v) for key, v in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [finite(v) for v in item]
+        return item
+
+    return json.dumps(finite(value), indent=2, allow_nan=False)
 
 
 def read_config(directory: str | Path) -> dict:
@@ -174,6 +197,8 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
             f"{directory} is incomplete: whisper-prune wrote it ({REPORT_FILE}) but its "
             f"{RECORD_FILE} is missing"
         )
+    if is_sparse24_checkpoint(config):  # every stored 2:4 layer, before anything loads it
+        verify_compressed_layers(weight_files(directory))
     return config
 
 

@@ -18,10 +18,10 @@ Ctrl-C or SIGTERM leaves nothing behind.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from whisper_modifiers.preflight import (
     calibration_sequences,
     check_minimum,
     check_positions,
+    check_prunable,
     meta_model,
     model_config,
     read_text,
@@ -49,6 +50,12 @@ class PruningFailed(Exception):
 
 def available_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def same_file(first: str, second: str) -> bool:
+    """Whether two data arguments name one file on disk (hub names never do)."""
+    first_path, second_path = Path(first).expanduser(), Path(second).expanduser()
+    return first_path.is_file() and second_path.is_file() and first_path.samefile(second_path)
 
 
 def resolve_recipe(recipe: str) -> Path:
@@ -107,6 +114,27 @@ def load_recipe(path: Path, model) -> list:
     return modifiers
 
 
+def check_prune_then_quantize(modifiers: list) -> None:
+    """Refuse a quantization modifier before a pruning one: pruning would then zero
+    quantized weights under scales fitted to the dense ones (or, for a packed scheme,
+    find no float weight to prune)."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import SparsityModifierBase
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    from whisper_modifiers.modifiers import OneShotMagnitudeModifier
+
+    quantizing = (QuantizationModifier, GPTQModifier)
+    pruning = (SparsityModifierBase, OneShotMagnitudeModifier)
+    for index, modifier in enumerate(modifiers):
+        later = [m for m in modifiers[index + 1 :] if isinstance(m, pruning)]
+        if isinstance(modifier, quantizing) and later:
+            raise ValueError(
+                f"{type(modifier).__name__} comes before {type(later[0]).__name__}; prune "
+                "first, then quantize (put the quantization modifier after the pruning one)"
+            )
+
+
 def check_recipe_targets(path: Path, modifiers: list, model, num_sequences: int) -> None:
     """Resolve every ``difference_targets`` of the recipe against ``model``'s modules,
     refuse a stock GPTQ after pruning (``check_mask_kept``) and a ``gamma: auto`` with
@@ -115,6 +143,7 @@ def check_recipe_targets(path: Path, modifiers: list, model, num_sequences: int)
 
     try:
         check_mask_kept(modifiers)
+        check_prune_then_quantize(modifiers)
     except ValueError as error:
         raise UsageError(f"--recipe {path}: {error}") from error
     for modifier in modifiers:
@@ -327,18 +356,27 @@ def run(args: argparse.Namespace) -> dict:
     from loguru import logger
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from whisper_modifiers.checkpoint import check_checkpoint, sparsity_record, write_record
+    from whisper_modifiers.checkpoint import (
+        check_checkpoint,
+        sparsity_record,
+        strict_json,
+        write_record,
+    )
     from whisper_modifiers.data import load_corpus, sequence_dataset
     from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
     from whisper_modifiers.methods import calibration_settings, gamma_selection, run_oneshot
     from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
     from whisper_modifiers.output_dir import partial_output
-    from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
+    from whisper_modifiers.sparse_serving.checkpoint import write_dense_layout, write_sparse24
 
     calibration_text = read_text(
         "--calibration", args.calibration, lambda s: load_corpus(s, split="train")
     )
     eval_text = read_text("--eval-text", args.eval_text, evaluation_text)
+    if same_file(args.calibration, args.eval_text):
+        logger.warning(f"--calibration and --eval-text are the same file ({args.eval_text}): "
+                       "the perplexity is measured on the calibration text, so it flatters "
+                       "every method that fits it")  # fmt: skip
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except (OSError, ValueError, TypeError) as error:
@@ -349,13 +387,16 @@ def run(args: argparse.Namespace) -> dict:
     bos = tokenizer.bos_token_id if args.eval_bos else None
     windows = args.eval_windows or None
     try:
-        evaluation_windows(eval_ids, args.eval_seq_len, windows, bos)
+        num_windows = len(evaluation_windows(eval_ids, args.eval_seq_len, windows, bos))
     except ValueError as error:
         raise UsageError(
             f"--eval-text {args.eval_text!r} is too short for one --eval-seq-len "
             f"{args.eval_seq_len} window: {error}; it needs at least "
             f"{args.eval_seq_len - (bos is not None)} tokens"
         ) from error
+    if windows and num_windows < windows:
+        logger.warning(f"--eval-windows {windows}: --eval-text holds {num_windows} windows of "
+                       f"{args.eval_seq_len} tokens; evaluating those")  # fmt: skip
     skeleton = meta_model(config)
     modifiers = load_recipe(recipe, skeleton)
     check_recipe_targets(recipe, modifiers, skeleton, args.num_sequences)
@@ -364,7 +405,13 @@ def run(args: argparse.Namespace) -> dict:
         logger.info(f"removed {stale}, left by an interrupted whisper-prune")
 
     logger.info(f"model {model_id}, recipe {recipe}")
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto")
+    load_from, scratch = model_id, None
+    if check_prunable(model_id, config):  # our compressed 2:4 checkpoint: its dense layout
+        scratch = tempfile.TemporaryDirectory(prefix="whisper-prune-dense-")  # lives for run
+        load_from = str(write_dense_layout(model_id, scratch.name))
+        logger.info(f"--model {model_id} is a compressed 2:4 checkpoint: pruning its dense "
+                    "weights (a temporary copy in the dense layout)")  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(load_from, dtype="auto")
     try:
         check_finite_weights(model)
     except NonFiniteError as error:
@@ -387,7 +434,7 @@ def run(args: argparse.Namespace) -> dict:
         "evaluation": {
             "text": args.eval_text,
             "seq_len": args.eval_seq_len,
-            "windows": windows,
+            "windows": num_windows,  # evaluated, which may be fewer than --eval-windows
             "bos": bos is not None,
         },
     }
@@ -446,7 +493,7 @@ def run(args: argparse.Namespace) -> dict:
             except ValueError as error:
                 raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error
         tokenizer.save_pretrained(partial)
-        (partial / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        (partial / REPORT_FILE).write_text(strict_json(report))
         write_record(partial, record)
         check_checkpoint(partial, unfinished_ok=True)
     report["output_dir"] = str(output_dir)

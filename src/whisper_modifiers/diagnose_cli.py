@@ -7,11 +7,12 @@ whisper-diagnose --model DIR --module model.layers.3.mlp.up_proj --out diagnosti
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
+from whisper_modifiers.checkpoint import strict_json
+from whisper_modifiers.output_dir import OutputDirError, check_output_dir, partial_output
 from whisper_modifiers.preflight import (
     UsageError,
     calibration_sequences,
@@ -23,6 +24,7 @@ from whisper_modifiers.preflight import (
     summarize_names,
 )
 
+REPORT = "diagnostics.json"  # marks an --out that whisper-diagnose wrote
 DEFAULT_SPARSITIES = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
 DEFAULT_GAMMAS = [0.0, 0.001, 0.01, 0.1, 0.3, 1.0]
 
@@ -40,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sparsities", type=float, nargs="+", default=DEFAULT_SPARSITIES)
     parser.add_argument("--gammas", type=float, nargs="+", default=DEFAULT_GAMMAS)
     parser.add_argument("--out", type=Path, default=Path("diagnostics"))
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier whisper-diagnose --out"
+    )
     args = parser.parse_args(argv)
     try:
         check_args(args)
@@ -91,6 +96,13 @@ def run(args) -> dict:
     except FileNotFoundError as error:
         raise UsageError(f"--model: {error}") from error
     name = resolve_module(model_config(model_id), args.module)
+    inputs_on_disk = [p for p in (model_id, args.calibration) if Path(p).exists()]
+    try:  # the rules of whisper-prune's --output-dir, before any work
+        out = check_output_dir(args.out, inputs_on_disk, args.overwrite, flag="--out",
+                               marker=REPORT, program="whisper-diagnose",
+                               output=f"{REPORT} of an earlier whisper-diagnose")  # fmt: skip
+    except OutputDirError as error:
+        raise UsageError(str(error)) from error
     text = read_text("--calibration", args.calibration, lambda s: load_corpus(s, "train"))
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     sequences = calibration_sequences(tokenizer, text, args.calibration, args.num_sequences,
@@ -109,7 +121,6 @@ def run(args) -> dict:
     preserved = d.difficulty_under_pruning(weight, inputs, pairs, args.sparsities, neurons=neurons)
     sweep = d.gamma_sweep(weight, inputs, pairs, args.gammas)
 
-    args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": model_id,
         "module": name,
@@ -128,8 +139,9 @@ def run(args) -> dict:
         "difficulty_preserved": {"sparsities": args.sparsities, **preserved},
         "gamma_sweep": sweep,
     }
-    (args.out / "diagnostics.json").write_text(json.dumps(report, indent=2))
-    _plot(args.out, scores, neurons, preserved, args.sparsities, sweep, name)
+    with partial_output(out) as partial:  # never a half-written --out
+        _plot(partial, scores, neurons, preserved, args.sparsities, sweep, name)
+        (partial / REPORT).write_text(strict_json(report))
     return report
 
 

@@ -23,9 +23,10 @@ import torch
 from whisper_modifiers.solvers import prune_by_score, wanda_scores
 from whisper_modifiers.statistics import (
     STATISTICS_DTYPE,
-    accumulate_channel_norms,
-    accumulate_gram,
+    add_sequence_channel_norms,
+    add_sequence_grams,
     mapping_difficulty,
+    mean_over_sequences,
     neuronwise_difference,
     pair_permutations,
     pairwise_differences,
@@ -92,17 +93,17 @@ def wasserstein_neurons(distances: torch.Tensor, fraction: float = 0.01) -> torc
 
 
 def _channel_norms(sequences: list[torch.Tensor]) -> torch.Tensor:
-    norms, count = torch.zeros(sequences[0].shape[1]), 0
+    total = None
     for x in sequences:
-        norms, count = accumulate_channel_norms(norms, count, x)
-    return norms.sqrt()
+        total = add_sequence_channel_norms(total, x)
+    return mean_over_sequences(total, len(sequences)).sqrt()
 
 
 def _gram(sequences: list[torch.Tensor]) -> torch.Tensor:
-    gram, count = torch.zeros(sequences[0].shape[1], sequences[0].shape[1]), 0
+    total = None
     for x in sequences:
-        gram, count = accumulate_gram(gram, count, x)
-    return gram
+        total = add_sequence_grams(total, x)
+    return mean_over_sequences(total, len(sequences), 2.0)
 
 
 def _neuronwise(weight, pairs, pair_fraction) -> torch.Tensor:

@@ -21,6 +21,7 @@ from whisper_modifiers.modifiers import (
     WispPlusModifier,
     distributed,
 )
+from whisper_modifiers.modifiers.sequence_sums import sequence_sum_baseline
 
 __all__ = [
     "BASELINE_OF",
@@ -90,9 +91,11 @@ def run_oneshot(model, tokenizer, dataset, recipe, batch_size: int = 1, **kwargs
     ``i``'s pairs are seeded by ``i`` whatever the batch size (llmcompressor's sampler
     would sort equal-length rows with an unstable sort). Under torchrun
     (``distributed.init_from_torchrun``) each rank calibrates its contiguous shard
-    (``distributed.shard_bounds``), the statistics are reduced across ranks and each module
-    is solved on one rank; llmcompressor's own Wanda and SparseGPT modifiers in a modifier
-    list are swapped for their distributed versions."""
+    (``distributed.shard_bounds``), the statistics are summed across ranks and each module
+    is solved on one rank. llmcompressor's own Wanda and SparseGPT modifiers in a modifier
+    list are swapped for ``sequence_sums.sequence_sum_baseline``'s (the same solvers over
+    statistics that do not depend on batch size or ranks), so that a baseline and our
+    method at its baseline's gamma are the same arithmetic."""
     from llmcompressor import oneshot
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
@@ -110,8 +113,8 @@ def run_oneshot(model, tokenizer, dataset, recipe, batch_size: int = 1, **kwargs
     shard = dataset.select(range(start, end)).with_format("torch")
     loader = DataLoader(shard, batch_size=batch_size, shuffle=False,
                         collate_fn=default_data_collator)  # fmt: skip
-    if num_ranks > 1 and isinstance(recipe, list):
-        recipe = [distributed.distributed_baseline(modifier) for modifier in recipe]
+    if isinstance(recipe, list):
+        recipe = [sequence_sum_baseline(modifier) for modifier in recipe]
     with distributed.calibration_shard(start):
         return oneshot(model=model, tokenizer=tokenizer, dataset=loader, recipe=recipe, **kwargs)
 

@@ -58,56 +58,67 @@ def _describe(entries: list[Path], limit: int = 6) -> str:
 
 
 def check_output_dir(
-    target: str | Path, protected: Iterable[str | Path] = (), overwrite: bool = False
+    target: str | Path,
+    protected: Iterable[str | Path] = (),
+    overwrite: bool = False,
+    flag: str = "--output-dir",
+    marker: str = REPORT_FILE,
+    program: str = "whisper-prune",
+    output: str = "a whisper-prune checkpoint",
 ) -> Path:
-    """Raise ``OutputDirError`` unless ``target`` may receive a new checkpoint.
+    """Raise ``OutputDirError`` unless ``target`` may receive a new output of ``program``
+    (a checkpoint of whisper-prune, a report of whisper-diagnose).
 
     :param protected: paths that must survive (source model directory, data files);
         ``target`` may be none of them and contain none of them.
-    :param overwrite: allow replacing a checkpoint that ``whisper-prune`` wrote.
+    :param overwrite: allow replacing an output that ``program`` wrote (it holds
+        ``marker``).
+    :param flag: the command-line flag that named ``target``, and ``output`` what
+        ``program`` writes there, for the messages.
     :return: ``target``, resolved.
     """
     given = target
-    target = Path(target).expanduser().resolve()
+    try:
+        target = Path(target).expanduser().resolve()
+    except (OSError, RuntimeError) as error:  # a symlink loop
+        raise OutputDirError(f"{flag} {str(given)!r} cannot be resolved: {error}") from error
     refused = {Path("/"), Path.home().resolve(), Path.cwd().resolve()}
     if target in refused:
         raise OutputDirError(
-            f"--output-dir {str(given)!r} is {target}, the filesystem root, your home or the "
-            "current directory; whisper-prune never writes a checkpoint there: name a new "
-            "directory, e.g. outputs/my-model"
+            f"{flag} {str(given)!r} is {target}, the filesystem root, your home or the "
+            f"current directory; {program} never writes there: name a new directory, "
+            "e.g. outputs/my-model"
         )
     for path in protected:
         path = Path(path).expanduser().resolve()
         if _contains(target, path):
             what = "is" if path == target else "contains"
             raise OutputDirError(
-                f"--output-dir {target} {what} {path}, an input of this run; replacing it "
+                f"{flag} {target} {what} {path}, an input of this run; replacing it "
                 "would destroy that input: choose another directory"
             )
     if target.exists() or target.is_symlink():
         if not target.is_dir():
-            raise OutputDirError(f"--output-dir {target} exists and is not a directory")
+            raise OutputDirError(f"{flag} {target} exists and is not a directory")
         entries = list(target.iterdir())
-        if entries and not (target / REPORT_FILE).is_file():
+        if entries and not (target / marker).is_file():
             raise OutputDirError(
-                f"--output-dir {target} is not empty and was not written by whisper-prune "
+                f"{flag} {target} is not empty and was not written by {program} "
                 f"(it holds {_describe(entries)}); it is never replaced, even with "
                 "--overwrite: choose a new or empty directory"
             )
         if entries and not overwrite:
             raise OutputDirError(
-                f"--output-dir {target} already holds a whisper-prune checkpoint; choose "
-                "another directory or pass --overwrite to replace it"
+                f"{flag} {target} already holds {output}; choose another directory or pass "
+                "--overwrite to replace it"
             )
     ancestor = target.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise OutputDirError(f"--output-dir {target} lies under {ancestor}, which is a file")
+        raise OutputDirError(f"{flag} {target} lies under {ancestor}, which is a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise OutputDirError(
-            f"--output-dir {target}: cannot write in {ancestor} (permission denied)"
-        )
+        raise OutputDirError(f"{flag} {target}: cannot write in {ancestor} (permission denied)")
     return target
 
 

@@ -58,6 +58,28 @@ def model_config(model_id: str):
         raise UsageError(f"--model {model_id}: its config cannot be read: {error}") from error
 
 
+def check_prunable(model_id: str, config) -> bool:
+    """Whether ``--model`` is a compressed 2:4 checkpoint of this package without
+    quantization: whisper-prune then loads it through its dense layout (a temporary copy,
+    since llmcompressor refuses a model whose config.json names another quantization
+    method). A quantized checkpoint is refused: its weights are not full precision."""
+    from whisper_modifiers.sparse_serving.checkpoint import is_sparse24_checkpoint
+
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return False
+    quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    if is_sparse24_checkpoint({"quantization_config": quantization}) and not quantization.get(
+        "quantization_config"
+    ):
+        return True
+    method = quantization.get("quant_method")
+    raise UsageError(
+        f"--model {model_id} holds quantized weights ({method}); whisper-prune prunes "
+        "full-precision models: give it the model this checkpoint was made from"
+    )
+
+
 def check_positions(config, **lengths: int) -> None:
     """Every ``flag=length`` fits the model's ``max_position_embeddings``.
 

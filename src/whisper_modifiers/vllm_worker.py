@@ -13,7 +13,9 @@ log-likelihood vLLM reports through ``prompt_logprobs``). The answer holds ``com
 log-likelihood of every token after the first, and how many tokens that is).
 
 A request with ``"probe_dtypes"`` instead asks which activation dtypes vLLM's kernels for
-this checkpoint's quantization scheme accept on this machine: for each candidate dtype
+this checkpoint's quantization scheme accept on this machine. First, which of the
+``required_ops`` this CPU's build of vLLM lacks (``missing_ops``: then nothing is tried);
+then, for each candidate dtype
 and each ``layers`` entry (``[name, out_features, in_features]``), the scheme vLLM would
 pick for that layer creates random weights, processes them as after loading and runs one
 forward; the answer's ``accepted`` lists the dtypes for which every layer ran and gave
@@ -41,6 +43,12 @@ def probe_dtypes(request: dict) -> dict:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # as the engine does: ModelConfig must know plugin methods
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # this CPU's build of vLLM's ops (_C, _C_AVX2, ...)
+    missing = [op for op in request.get("required_ops", []) if not hasattr(torch.ops._C, op)]
+    if missing:  # no dtype can help
+        return {"accepted": [], "errors": {}, "missing_ops": missing}
     config = CompressedTensorsConfig.from_config(request["quantization_config"])
     accepted, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig()):
@@ -58,7 +66,7 @@ def probe_dtypes(request: dict) -> dict:
             errors[name] = f"{type(error).__name__}: {error}"[:500]
         else:
             accepted.append(name)
-    return {"accepted": accepted, "errors": errors}
+    return {"accepted": accepted, "errors": errors, "missing_ops": []}
 
 
 def _probe_layer(config, layer_name: str, out_features: int, in_features: int, dtype) -> None:

@@ -41,9 +41,12 @@ from whisper_modifiers.modifiers.distributed import (
     sequence_offset,
     statistic_names,
 )
+from whisper_modifiers.modifiers.sequence_sums import SequenceSumCalibration
 from whisper_modifiers.modifiers.validation import (
     SparsityValidation,
     check_finite_activations,
+    check_structure_divides,
+    parse_mask_structure,
 )
 from whisper_modifiers.selection import (
     gated_mlp_errors,
@@ -52,7 +55,6 @@ from whisper_modifiers.selection import (
     select_gamma,
 )
 from whisper_modifiers.statistics import (
-    accumulate_gram,
     nearest_neighbour_differences,
     pair_permutations,
     pairwise_differences,
@@ -68,7 +70,7 @@ Gamma = Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"]
 """A mixing weight in [0, 1], or ``"auto"``: chosen per module (``selection``)."""
 
 
-class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
+class DifferencePruningBase(SparsityValidation, SequenceSumCalibration, SparsityModifierBase):
     """Fields and routing common to Wisp, Wisp+ and Whisper (see those classes).
 
     :param difference_targets: module-name patterns (``re:`` prefix for a regex, as in
@@ -188,6 +190,8 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
                 ):
                     continue
                 modules.append((name, module, sparsity))
+        n, m = parse_mask_structure(self.mask_structure)
+        check_structure_divides([(name, module) for name, module, _ in modules], n, m)
         return modules
 
     def check_difference_targets(self, model: torch.nn.Module) -> list[str]:
@@ -357,17 +361,14 @@ class DifferencePruningBase(SparsityValidation, SparsityModifierBase):
             ]
         )
 
-    def accumulate_centering(self, module: torch.nn.Module, x: torch.Tensor, accumulate):
-        """Accumulate ``s x_bar x_bar^T`` (or its diagonal) per sequence with
-        ``accumulate`` (``accumulate_gram`` or ``accumulate_channel_norms``): with the
-        uncentered statistic the parent keeps, it gives the centered one by subtraction.
-        Costs one mean per sequence."""
+    def add_centering(self, module: torch.nn.Module, x: torch.Tensor, add):
+        """Add ``s x_bar x_bar^T`` (or its diagonal) of each sequence with ``add``
+        (``add_sequence_grams`` or ``add_sequence_channel_norms``): with the uncentered
+        statistic the parent keeps, it gives the centered one by subtraction. Costs one
+        mean per sequence."""
         means = scaled_sequence_means(self.check_input(module, x))
-        if module not in self._centering:
-            m = means.shape[-1]
-            shape = (m, m) if accumulate is accumulate_gram else (m,)
-            self._centering[module] = (means.new_zeros(shape), 0)
-        self._centering[module] = accumulate(*self._centering[module], means)
+        total, count = self._centering.get(module, (None, 0))
+        self._centering[module] = (add(total, means), count + means.shape[0])
 
     def centered(self, module: torch.nn.Module, uncentered: torch.Tensor) -> torch.Tensor:
         """``uncentered - s x_bar x_bar^T`` (diagonal entries clamped at 0)."""

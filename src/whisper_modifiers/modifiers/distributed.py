@@ -4,10 +4,12 @@ modifiers; no statistic or solver maths here.
 Each rank calibrates a contiguous shard of the calibration sequences (``shard_bounds``,
 llmcompressor's partition formula); ``calibration_shard`` tells the modifiers where their
 shard starts, so that the pairs of sequence ``i`` are seeded by its global index ``i``
-whatever the number of ranks. Before solving a layer, every statistic is reduced across
-ranks (``reduce_statistics``: running means weighted by their counts, sums summed, in
-float64), each module is solved on one rank (``solve_on_owners``, compressed-tensors'
-``greedy_bin_packing`` by weight size) and its pruned weight broadcast from there.
+whatever the number of ranks. The statistics are float64 sums over sequences
+(``sequence_sums.SequenceSumCalibration``), so before solving a layer they are summed
+across ranks and turned into the float32 means the solvers take (``reduce_statistics``):
+the result is the one-process result, bit for bit. Each module is solved on one rank
+(``solve_on_owners``, compressed-tensors' ``greedy_bin_packing`` by weight size) and its
+pruned weight broadcast from there.
 """
 
 from __future__ import annotations
@@ -21,16 +23,14 @@ import torch
 import torch.distributed as dist
 from compressed_tensors.distributed import greedy_bin_packing
 from compressed_tensors.utils import align_module_device, update_offload_parameter
-from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
+
+from whisper_modifiers.statistics import STATISTICS_DTYPE, SUM_DTYPE, mean_over_sequences
 
 __all__ = [
-    "DistributedSparseGPTModifier",
-    "DistributedWandaModifier",
-    "MEAN_STATISTICS",
+    "SEQUENCE_SUMS",
     "SUM_STATISTICS",
     "all_reduce_sum",
     "calibration_shard",
-    "distributed_baseline",
     "finish",
     "init_from_torchrun",
     "is_distributed",
@@ -42,18 +42,19 @@ __all__ = [
     "world_size",
 ]
 
-MEAN_STATISTICS = (
-    ("_row_scalars", "_num_samples"),  # Wanda's ||X_j||^2 (Wisp's ||dX_j||^2)
-    ("_hessians", "_num_samples"),  # SparseGPT's H
-    ("_difference_hessians", "_difference_samples"),  # Whisper's H_Delta
-    ("_plain_norms", "_plain_counts"),  # gamma-regularised Wisp / Wisp+'s ||X_j||^2
+SEQUENCE_SUMS = (
+    ("_row_scalars", "_num_samples", 1.0),  # Wanda's ||X_j||^2 (Wisp's ||dX_j||^2)
+    ("_hessians", "_num_samples", 2.0),  # SparseGPT's H = (2 / N) X X^T
+    ("_difference_hessians", "_difference_samples", 2.0),  # Whisper's H_Delta
+    ("_plain_norms", "_plain_counts", 1.0),  # gamma-regularised Wisp / Wisp+'s ||X_j||^2
 )
-"""``(statistic dict, count dict)`` attributes of modifiers that keep running means over
-sequences; a count dict is reduced once, after every statistic that uses it."""
+"""``(statistic dict, count dict, scale)`` attributes of modifiers that sum a statistic
+over sequences in float64; the solvers take ``scale * sum / count`` in float32. A count
+dict is reduced once, after every statistic that uses it."""
 
 SUM_STATISTICS = ("_neuronwise_sums", "_difficulty_sums")  # Wisp+, counted by:
 SUM_COUNTS = "_neuronwise_counts"
-CENTERING = "_centering"  # module -> (running mean of s x_bar x_bar^T, count)
+CENTERING = "_centering"  # module -> (float64 sum of s x_bar x_bar^T, count)
 
 _offset = 0
 
@@ -135,11 +136,18 @@ def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _reduce_mean(mean: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-    """The mean over all ranks' samples of per-rank running means, in float64."""
-    total = int(_all_reduce(torch.tensor([count], dtype=torch.float64)).item())
-    weighted = _all_reduce(mean.to(torch.float64) * count)
-    return (weighted / max(total, 1)).to(mean.dtype), total
+def _sum_over_ranks(total: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float64 sum over ranks (a rank that summed nothing adds zeros of ``shape``)."""
+    if not is_distributed():
+        return total
+    local = torch.zeros(shape, dtype=SUM_DTYPE) if total is None else total.to(SUM_DTYPE)
+    return _all_reduce(local.clone())
+
+
+def _count_over_ranks(count: int) -> int:
+    if not is_distributed():
+        return count
+    return int(_all_reduce(torch.tensor([count], dtype=torch.float64)).item())
 
 
 def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
@@ -152,34 +160,47 @@ def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
 
 
 def reduce_statistics(modifier) -> None:
-    """Replace every per-module statistic of ``modifier`` by its reduction over ranks
-    (a no-op in one process). Modules are visited in registration order, which every
-    rank shares."""
-    if not is_distributed():
-        return
+    """Sum every per-module statistic of ``modifier`` over ranks (float64; nothing to sum
+    in one process) and replace it by what the solvers take: ``scale * sum / count`` in
+    float32 for ``SEQUENCE_SUMS`` and the centering terms, the float32 sum for Wisp+'s
+    ``SUM_STATISTICS``. Call it once per set of statistics, before solving. Modules are
+    visited in registration order, which every rank shares."""
     order = list(modifier._module_names)
-    for statistic_name, count_name in MEAN_STATISTICS:
+    totals = {}
+    for statistic_name, count_name, scale in SEQUENCE_SUMS:
         statistics = getattr(modifier, statistic_name, None)
         counts = getattr(modifier, count_name, None)
         if statistics is None or counts is None:
             continue
-        for module in [m for m in order if m in statistics]:
-            statistics[module], total = _reduce_mean(statistics[module], counts[module])
-            counts[module] = total
+        reduced = totals.setdefault(count_name, {})
+        for module in [m for m in order if _any_rank(m in statistics)]:
+            count = reduced.setdefault(module, _count_over_ranks(counts.get(module, 0)))
+            shape = _statistic_shape(statistic_name, module)
+            total = _sum_over_ranks(statistics.get(module), shape)
+            statistics[module] = mean_over_sequences(total, count, scale)
+    for count_name, reduced in totals.items():
+        getattr(modifier, count_name).update(reduced)
     centering = getattr(modifier, CENTERING, None) or {}
     for module in [m for m in order if m in centering]:
-        centering[module] = _reduce_mean(*centering[module])
+        total, count = centering[module]
+        count = _count_over_ranks(count)
+        total = _sum_over_ranks(total, tuple(total.shape))
+        centering[module] = (mean_over_sequences(total, count, 2.0 if total.dim() == 2 else 1.0),
+                             count)  # fmt: skip
     counts = getattr(modifier, SUM_COUNTS, None) or {}
     for module in [m for m in order if m in counts]:
         for name in SUM_STATISTICS:
             sums = getattr(modifier, name)
             if not _any_rank(module in sums):
                 continue
-            local = sums.get(module)
-            if local is None:  # this rank's sequences added nothing
-                local = torch.zeros(_sum_shape(name, module), dtype=torch.float32)
-            sums[module] = _all_reduce(local)
-        counts[module] = int(_all_reduce(torch.tensor([counts[module]])).item())
+            total = _sum_over_ranks(sums.get(module), _sum_shape(name, module))
+            sums[module] = total.to(STATISTICS_DTYPE)
+        counts[module] = _count_over_ranks(counts[module])
+
+
+def _statistic_shape(name: str, module: torch.nn.Module) -> tuple[int, ...]:
+    columns = module.weight.shape[1]
+    return (columns, columns) if "hessian" in name else (columns,)
 
 
 def _sum_shape(name: str, module: torch.nn.Module) -> tuple[int, ...]:
@@ -187,6 +208,8 @@ def _sum_shape(name: str, module: torch.nn.Module) -> tuple[int, ...]:
 
 
 def _any_rank(flag: bool) -> bool:
+    if not is_distributed():
+        return flag
     return bool(_all_reduce(torch.tensor([int(flag)])).item())
 
 
@@ -222,37 +245,5 @@ def solve_on_owners(modifier, modules: Iterable[torch.nn.Module], solve: Callabl
 
 def statistic_names() -> tuple[str, ...]:
     """Every per-module dict ``solve_on_owners`` may need to thin out."""
-    means = tuple(name for pair in MEAN_STATISTICS for name in pair)
-    return (*means, *SUM_STATISTICS, SUM_COUNTS, CENTERING)
-
-
-# ---- the stock baselines -----------------------------------------------------------------
-
-
-class _OwnerSolving:
-    """``compress_modules`` of a stock modifier, with statistics reduced across ranks and
-    each module solved on one rank."""
-
-    def compress_modules(self):
-        reduce_statistics(self)
-        modules = [m for m in self._module_names if m in self._num_samples]
-        solve_on_owners(self, modules, super().compress_modules)
-
-
-class DistributedWandaModifier(_OwnerSolving, WandaPruningModifier):
-    """llmcompressor's ``WandaPruningModifier`` whose statistics reduce under torchrun."""
-
-
-class DistributedSparseGPTModifier(_OwnerSolving, SparseGPTModifier):
-    """llmcompressor's ``SparseGPTModifier`` whose Hessians reduce under torchrun."""
-
-
-def distributed_baseline(modifier):
-    """llmcompressor's own Wanda or SparseGPT modifier (exactly those classes) as the
-    distributed one with the same fields; any other modifier unchanged."""
-    classes = {
-        WandaPruningModifier: DistributedWandaModifier,
-        SparseGPTModifier: DistributedSparseGPTModifier,
-    }
-    cls = classes.get(type(modifier))
-    return modifier if cls is None else cls(**modifier.model_dump(exclude_unset=True))
+    sums = tuple(name for statistic, count, _ in SEQUENCE_SUMS for name in (statistic, count))
+    return (*sums, *SUM_STATISTICS, SUM_COUNTS, CENTERING)

@@ -14,6 +14,7 @@ __all__ = [
     "check_finite_weights",
     "check_sparsity",
     "check_sparsity_matches_structure",
+    "check_structure_divides",
     "parse_mask_structure",
 ]
 
@@ -74,6 +75,21 @@ def check_sparsity_matches_structure(sparsity, n: int, m: int) -> None:
             f"sparsity {sparsity} contradicts mask_structure '{n}:{m}', which prunes "
             f"exactly {n / m}; set sparsity: {n / m}"
         )
+
+
+def check_structure_divides(modules, n: int, m: int) -> None:
+    """Every ``(name, module)`` pruned ``N:M`` has a multiple of ``M`` inputs: a partial
+    last group would be pruned whole (its inputs zeroed) and the layer would not be N:M."""
+    if not n:
+        return
+    for name, module in modules:
+        inputs = getattr(module, "in_features", None)
+        if inputs is not None and inputs % m:
+            raise ValueError(
+                f"mask_structure '{n}:{m}' needs a multiple of {m} inputs per layer, but "
+                f"{name} has {inputs}; use an N:M whose M divides it, '0:0' (unstructured), "
+                f"or add {name} to ignore"
+            )
 
 
 class SparsityValidation(BaseModel):

@@ -12,10 +12,7 @@ from compressed_tensors.utils import (
 )
 from llmcompressor.core import State
 from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
-from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import (
-    make_empty_hessian,
-    sparsify_weight,
-)
+from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import sparsify_weight
 from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
 from pydantic import Field, PrivateAttr
@@ -24,7 +21,11 @@ from whisper_modifiers.modifiers.base import DifferencePruningBase, Gamma
 from whisper_modifiers.modifiers.distributed import solve_on_owners
 from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import alps_prune, sparsegpt_prune_batch
-from whisper_modifiers.statistics import accumulate_gram, regularized_difference_hessian
+from whisper_modifiers.statistics import (
+    add_sequence_grams,
+    num_sequences,
+    regularized_difference_hessian,
+)
 
 __all__ = ["ALPSModifier", "ALPSWhisperModifier", "WhisperModifier"]
 
@@ -64,28 +65,25 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     _difference_samples: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
 
     def calibrate_module(self, module, args, _output):
+        x = args[0]
         if not self.is_difference_module(module):
-            return super().calibrate_module(module, args, _output)
+            return self.add_hessian(module, x)
         if self.pairing == "centered":  # H_c = H - s x_bar x_bar^T: H is computed anyway
-            if self.input_source(module, args[0]) is not module:
+            if self.input_source(module, x) is not module:
                 return  # same input as its source: H and H_c are the source's
-            super().calibrate_module(module, args, _output)
-            return self.accumulate_centering(module, args[0], accumulate_gram)
-        differences = self.sequence_differences(module, args[0])
+            self.add_hessian(module, x)
+            return self.add_centering(module, x, add_sequence_grams)
+        differences = self.sequence_differences(module, x)
         if self.pair_source(module) is not module:
             return  # same input and pairs as its source: H and H_Delta are the source's
-        super().calibrate_module(module, args, _output)
+        self.add_hessian(module, x)
         device = get_execution_device(module)
-        if module not in self._difference_hessians:
-            self._difference_hessians[module] = make_empty_hessian(module, device=device)
-            self._difference_samples[module] = 0
-        gram, count = accumulate_gram(
-            self._difference_hessians[module].to(device),
-            self._difference_samples[module],
-            differences.to(device),
-        )
-        self._difference_hessians[module] = gram.cpu() if self.offload_hessians else gram
-        self._difference_samples[module] = count
+        total = self._difference_hessians.get(module)
+        total = add_sequence_grams(None if total is None else total.to(device),
+                                   differences.to(device))  # fmt: skip
+        self._difference_hessians[module] = total.cpu() if self.offload_hessians else total
+        self._difference_samples[module] = (self._difference_samples.get(module, 0)
+                                            + num_sequences(differences))  # fmt: skip
 
     def compress_modules(self):
         """Form ``H~`` for each difference module, then run SparseGPT's solver on all

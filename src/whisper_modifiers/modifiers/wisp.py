@@ -8,7 +8,6 @@ import torch
 from compressed_tensors.utils import align_module_device, update_offload_parameter
 from llmcompressor.core import State
 from llmcompressor.modifiers.pruning.wanda import WandaPruningModifier
-from llmcompressor.modifiers.pruning.wanda.wanda_sparsify import make_empty_row_scalars
 from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
@@ -18,9 +17,11 @@ from whisper_modifiers.modifiers.distributed import solve_on_owners
 from whisper_modifiers.selection import WISP_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import prune_by_score, ria_scores, wanda_scores
 from whisper_modifiers.statistics import (
-    accumulate_channel_norms,
+    SUM_DTYPE,
+    add_sequence_channel_norms,
     mapping_difficulty,
     neuronwise_difference,
+    num_sequences,
     regularized_difference_norms,
 )
 
@@ -73,10 +74,10 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
 
     def calibrate_module(self, module, args, _output):
         if not self.is_difference_module(module) or self.gamma == 1:
-            return WandaPruningModifier.calibrate_module(self, module, args, _output)
+            return self.add_row_scalars(module, args[0])
         if self.pairing == "centered":  # ||X_c,j||^2 = ||X_j||^2 - s x_bar_j^2
-            WandaPruningModifier.calibrate_module(self, module, args, _output)
-            return self.accumulate_centering(module, args[0], accumulate_channel_norms)
+            self.add_row_scalars(module, args[0])
+            return self.add_centering(module, args[0], add_sequence_channel_norms)
         self._accumulate_plain_norms(module, args[0])
         self._accumulate_difference_norms(module, self.sequence_differences(module, args[0]))
 
@@ -85,20 +86,11 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         (``gamma`` neither 0 nor 1)."""
         if self.gamma == 0:
             return
-        if module not in self._plain_counts:
-            self._plain_norms[module] = make_empty_row_scalars(module, x.device)
-            self._plain_counts[module] = 0
-        self._plain_norms[module], self._plain_counts[module] = accumulate_channel_norms(
-            self._plain_norms[module], self._plain_counts[module], x
-        )
+        self._plain_norms[module] = add_sequence_channel_norms(self._plain_norms.get(module), x)
+        self._plain_counts[module] = self._plain_counts.get(module, 0) + num_sequences(x)
 
     def _accumulate_difference_norms(self, module, differences: torch.Tensor):
-        if module not in self._num_samples:
-            self._row_scalars[module] = make_empty_row_scalars(module, differences.device)
-            self._num_samples[module] = 0
-        self._row_scalars[module], self._num_samples[module] = accumulate_channel_norms(
-            self._row_scalars[module], self._num_samples[module], differences
-        )
+        self.add_row_scalars(module, differences)
 
     def scores(self, weight: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
         """The saliency over a channel statistic (``||X_j||``, ``||dX_j||`` or ``a_ij``)."""
@@ -220,7 +212,7 @@ class WispPlusModifier(WispModifier):
 
     def calibrate_module(self, module, args, _output):
         if not self.is_difference_module(module) or self.gamma == 1:
-            return WandaPruningModifier.calibrate_module(self, module, args, _output)
+            return self.add_row_scalars(module, args[0])
         differences = self.sequence_differences(module, args[0])
         self._accumulate_plain_norms(module, args[0])
         self._neuronwise_counts.setdefault(module, 0)
@@ -286,10 +278,12 @@ class WispPlusModifier(WispModifier):
 
 
 def _add(sums: dict, key, value: torch.Tensor):
+    """``sums[key] += value`` in float64 (a per-sequence statistic summed over sequences:
+    exact, so the same in any order; ``distributed.reduce_statistics`` makes it float32)."""
     if key in sums:
         sums[key] += value
     else:
-        sums[key] = value
+        sums[key] = value.to(SUM_DTYPE)
 
 
 class RIAScoring(BaseModel):

@@ -18,10 +18,18 @@ environment alone.
 
 from whisper_modifiers.sparse_serving.format import (
     QUANT_METHOD,
+    CorruptCheckpointError,
     NotTwoFourError,
     check_two_four,
     compress_24,
     decompress_24,
 )
 
-__all__ = ["QUANT_METHOD", "NotTwoFourError", "check_two_four", "compress_24", "decompress_24"]
+__all__ = [
+    "QUANT_METHOD",
+    "CorruptCheckpointError",
+    "NotTwoFourError",
+    "check_two_four",
+    "compress_24",
+    "decompress_24",
+]

@@ -24,12 +24,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from whisper_modifiers.sparse_serving.format import QUANT_METHOD, compress_24, decompress_24
+from whisper_modifiers.sparse_serving.format import (
+    QUANT_METHOD,
+    CorruptCheckpointError,
+    check_compressed,
+    compress_24,
+    decompress_24,
+)
 
 __all__ = [
     "QUANTIZED_FORMATS",
     "dequantize",
     "is_sparse24_checkpoint",
+    "verify_compressed_layers",
+    "weight_files",
     "write_dense_layout",
     "write_sparse24",
 ]
@@ -40,11 +48,48 @@ _REWRITTEN = ("config.json", "model.safetensors.index.json")
 QUANTIZED_FORMATS = ("int-quantized", "float-quantized")
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
     return [directory / "model.safetensors"]
+
+
+def verify_compressed_layers(files, expected_shapes: dict | None = None) -> int:
+    """Check every compressed 2:4 layer stored in the safetensors ``files`` before any
+    weight is loaded (``format.check_compressed``: shapes, exactly two marks per group of
+    four, clear padding), and its ``.shape`` against ``expected_shapes`` (layer name ->
+    ``(out, in)``, from the model's config) where given. Reads the bitmasks and the
+    ``.shape`` tensors, and only the headers of ``.compressed``. Raises
+    ``CorruptCheckpointError`` naming the layer and the tensor; returns the layer count."""
+    where = {}
+    for path in map(Path, files):
+        try:
+            with safe_open(path, "pt") as handle:
+                where.update(dict.fromkeys(handle.keys(), path))
+        except Exception as error:  # safetensors' own error names no file
+            raise CorruptCheckpointError(f"{path} cannot be read: {error}") from error
+    layers = sorted(key[: -len(".bitmask")] for key in where if key.endswith(".bitmask"))
+    for name in layers:
+        missing = [f"{name}.{part}" for part in ("compressed", "shape") if f"{name}.{part}"
+                   not in where]  # fmt: skip
+        if missing:
+            raise CorruptCheckpointError(f"{name}: {', '.join(missing)} missing from the files")
+        tensors = {}
+        for part in _PARTS:
+            with safe_open(where[f"{name}.{part}"], "pt") as handle:
+                key = f"{name}.{part}"
+                tensors[part] = (torch.empty(handle.get_slice(key).get_shape(), device="meta")
+                                 if part == "compressed" else handle.get_tensor(key))  # fmt: skip
+        shape = tensors["shape"].reshape(-1).tolist()
+        expected = (expected_shapes or {}).get(name)
+        if len(shape) != 2 or (expected is not None and tuple(shape) != tuple(expected)):
+            raise CorruptCheckpointError(
+                f"{name}.shape holds {shape}, but the model's config makes the layer "
+                f"{list(expected) if expected is not None else '[out, in]'}"
+            )
+        check_compressed(tensors["compressed"], tensors["bitmask"], shape, name)
+    return len(layers)
 
 
 def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
@@ -64,7 +109,7 @@ def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
         )
     wanted = {f"{name}.weight": name for name in targets}
     files, found, sizes = {}, set(), {"dense_bytes": 0, "compressed_bytes": 0}
-    for path in _weight_files(directory):  # compress everything first, then write
+    for path in weight_files(directory):  # compress everything first, then write
         tensors, metadata = {}, None
         with safe_open(path, "pt") as handle:
             metadata = handle.metadata()
@@ -137,7 +182,7 @@ def write_dense_layout(source: str | Path, target: str | Path) -> Path:
     natively, activation quantization included."""
     source, target = Path(source), Path(target)
     target.mkdir(parents=True, exist_ok=True)
-    files = _weight_files(source)
+    files = weight_files(source)
     for path in source.iterdir():
         if path.is_file() and path not in files and path.name not in _REWRITTEN:
             (target / path.name).symlink_to(path.resolve())
@@ -150,7 +195,7 @@ def write_dense_layout(source: str | Path, target: str | Path) -> Path:
             name = key[: -len(".compressed")]
             shape = tensors.pop(f"{name}.shape").reshape(-1).tolist()
             tensors[f"{name}.weight"] = decompress_24(
-                tensors.pop(key), tensors.pop(f"{name}.bitmask"), shape
+                tensors.pop(key), tensors.pop(f"{name}.bitmask"), shape, name
             )
         save_file(tensors, target / path.name, metadata=metadata or {"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, path.name))

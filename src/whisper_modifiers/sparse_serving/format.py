@@ -21,6 +21,8 @@ import torch
 
 __all__ = [
     "QUANT_METHOD",
+    "CorruptCheckpointError",
+    "check_compressed",
     "NotTwoFourError",
     "check_two_four",
     "compress_24",
@@ -40,6 +42,10 @@ _BITS = 1 << torch.arange(8, dtype=torch.int32)  # bit i of a byte is column 8j 
 
 class NotTwoFourError(ValueError):
     """A tensor that is not exactly 2:4 (or cannot be split into groups of four)."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A stored 2:4 layer whose tensors disagree (a truncated or altered checkpoint)."""
 
 
 def nonzero(weight: torch.Tensor) -> torch.Tensor:
@@ -94,11 +100,43 @@ def compress_24(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tenso
 
 
 def decompress_24(
-    compressed: torch.Tensor, bitmask: torch.Tensor, shape: tuple[int, int]
+    compressed: torch.Tensor, bitmask: torch.Tensor, shape: tuple[int, int], name: str = "weight"
 ) -> torch.Tensor:
-    """The dense ``[out, in]`` weight of ``compress_24``'s output."""
-    rows, columns = int(shape[0]), int(shape[1])
-    mask = unpack_bits(bitmask, columns)
+    """The dense ``[out, in]`` weight of ``compress_24``'s output, after
+    ``check_compressed`` (every loader goes through here, so none can misread a layer)."""
+    mask = check_compressed(compressed, bitmask, shape, name)
+    rows, columns = mask.shape
     dense = torch.zeros(rows, columns, dtype=compressed.dtype, device=compressed.device)
     dense[mask] = compressed.reshape(-1)
     return dense
+
+
+def check_compressed(compressed, bitmask, shape, name: str = "weight") -> torch.Tensor:
+    """The ``[out, in]`` keep-mask of a stored 2:4 layer ``name``, after checking, in a
+    few vectorised passes over the bitmask: the shapes agree with ``shape``, every group
+    of four inputs marks exactly two, and the padding bits are clear (so the marks are
+    exactly ``compressed``'s values). Raises ``CorruptCheckpointError`` naming the layer
+    and the tensor."""
+    rows, columns = int(shape[0]), int(shape[1])
+    expected = {"bitmask": (rows, -(-columns // 8)), "compressed": (rows, columns // 2)}
+    for part, tensor in (("bitmask", bitmask), ("compressed", compressed)):
+        if columns % 4 or tuple(tensor.shape) != expected[part]:
+            raise CorruptCheckpointError(
+                f"{name}.{part} has shape {tuple(tensor.shape)}, but {name}.shape "
+                f"[{rows}, {columns}] needs {expected[part]} (inputs a multiple of 4); the "
+                "checkpoint is truncated or corrupt"
+            )
+    if bitmask.dtype != torch.uint8:
+        raise CorruptCheckpointError(f"{name}.bitmask is {bitmask.dtype}, not uint8")
+    bits = unpack_bits(bitmask, bitmask.shape[1] * 8)
+    if bits[:, columns:].any():
+        raise CorruptCheckpointError(f"{name}.bitmask marks inputs past {columns}; corrupt")
+    marks = bits[:, :columns].reshape(rows, -1, 4).sum(-1)
+    if (marks != 2).any():
+        row, group = (marks != 2).nonzero()[0].tolist()
+        raise CorruptCheckpointError(
+            f"{name}.bitmask is not 2:4: {int((marks != 2).sum())} of {marks.numel()} groups "
+            f"of four mark other than two inputs (first: row {row}, inputs {4 * group}.."
+            f"{4 * group + 3} mark {int(marks[row, group])}); the checkpoint is corrupt"
+        )
+    return bits[:, :columns]

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from whisper_modifiers.sparse_serving.checkpoint import dequantize
-from whisper_modifiers.sparse_serving.format import QUANT_METHOD, decompress_24
+from whisper_modifiers.sparse_serving.checkpoint import dequantize, verify_compressed_layers
+from whisper_modifiers.sparse_serving.format import (
+    QUANT_METHOD,
+    decompress_24,
+)
 
 __all__ = ["register"]
 
@@ -59,7 +62,9 @@ def register() -> None:
 
             shape = first("shape").reshape(-1).tolist()
             scale = first("weight_scale") if input_dict.get("weight_scale") else None
-            dense = dequantize(decompress_24(first("compressed"), first("bitmask"), shape), scale)
+            layer = (full_layer_name or "weight").removesuffix(".weight")
+            dense = decompress_24(first("compressed"), first("bitmask"), shape, layer)
+            dense = dequantize(dense, scale)
             if model is not None and full_layer_name is not None:
                 module, name = get_module_from_name(model, full_layer_name)
                 target = getattr(module, name, None)
@@ -72,7 +77,16 @@ def register() -> None:
 
         requires_calibration = False
 
-        def _process_model_before_weight_loading(self, model, **kwargs):
+        def _process_model_before_weight_loading(self, model, checkpoint_files=None,
+                                                 **kwargs):  # fmt: skip
+            # every stored 2:4 layer is checked here, before loading: an error raised
+            # during transformers' weight conversion is only logged in its report
+            expected = {
+                name: tuple(module.weight.shape)
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+            verify_compressed_layers(checkpoint_files or [], expected)  # fmt: skip
             return model
 
         def _process_model_after_weight_loading(self, model, **kwargs):

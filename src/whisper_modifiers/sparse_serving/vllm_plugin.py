@@ -19,7 +19,9 @@ its measured dispatch to dense below the token counts where sparse loses
 vLLM's unquantized path (``UnquantizedLinearMethod``). In a W8A8 / FP8 chain (whose
 compressed-tensors config is nested in ours) the dense 8-bit weight goes to
 compressed-tensors' scheme for the layer with its int8 / float8 kernels
-(``QuantizedSparse24LinearMethod``); no 8-bit 2:4 kernel is used yet.
+(``QuantizedSparse24LinearMethod``), except an int8 layer on a CPU whose oneDNN int8 GEMM
+saturates (no VNNI), which ``cpu_int8.ExactInt8Linear`` computes exactly; no 8-bit 2:4
+kernel is used yet.
 
 Imports only torch and vLLM (and this subpackage).
 """
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from whisper_modifiers.sparse_serving.cpu_int8 import ExactInt8Linear, wants_exact_int8
 from whisper_modifiers.sparse_serving.format import QUANT_METHOD, decompress_24
 from whisper_modifiers.sparse_serving.kernels import kernel_mode, serving_kernel
 
@@ -123,9 +126,17 @@ def _config_class():
             except TypeError:
                 parameter = torch.nn.Parameter(weight, requires_grad=False)
             layer.register_parameter("weight", parameter)
+            if wants_exact_int8(layer):  # vLLM's int8 GEMM saturates on this CPU
+                widths = list(getattr(layer, "logical_widths", None) or [weight.shape[0]])
+                layer.exact_int8 = ExactInt8Linear(weight, layer.weight_scale.data, widths)
+                del layer.weight
+                return
             self.inner.process_weights_after_loading(layer)
 
         def apply(self, layer, x, bias=None):
+            exact = getattr(layer, "exact_int8", None)
+            if exact is not None:
+                return exact(x, bias)
             return self.inner.apply(layer, x, bias)
 
     class Sparse24Config(QuantizationConfig):
@@ -232,7 +243,12 @@ def _register_compressed(layer, name, input_size_per_partition, input_size, rows
     """``compressed`` / ``bitmask`` / ``shape`` parameters on ``layer``, loaded by vLLM's
     own (v1) loader of the layer: rows are outputs, so merged and column shards are row
     ranges, and a row-parallel shard narrows the columns (whole groups and bytes only)."""
-    if input_size_per_partition % 8:
+    if input_size % 4:
+        raise ValueError(
+            f"{name}: {input_size} inputs are not a multiple of 4, so the layer cannot be "
+            "2:4; the checkpoint's targets are wrong"
+        )
+    if input_size_per_partition != input_size and input_size_per_partition % 8:
         raise ValueError(
             f"{name}: its tensor-parallel shard holds {input_size_per_partition} of "
             f"{input_size} inputs, which splits groups of four (or bitmask bytes) of the "
@@ -241,7 +257,7 @@ def _register_compressed(layer, name, input_size_per_partition, input_size, rows
         )
     for part, columns, part_dtype in (
         ("compressed", input_size_per_partition // 2, dtype),
-        ("bitmask", input_size_per_partition // 8, torch.uint8),
+        ("bitmask", -(-input_size_per_partition // 8), torch.uint8),  # whole bytes per row
     ):
         parameter = torch.nn.Parameter(torch.empty(rows, columns, dtype=part_dtype),
                                        requires_grad=False)  # fmt: skip
@@ -254,6 +270,7 @@ def _register_compressed(layer, name, input_size_per_partition, input_size, rows
     shape.weight_loader = lambda *args, **kwargs: None  # known from the layer
     layer.register_parameter("shape", shape)
     layer.sparse24_dense_shape = (rows, input_size_per_partition)
+    layer.sparse24_name = name
 
 
 def _take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
@@ -266,4 +283,5 @@ def _take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
 def sparse24_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
     """A loaded 2:4 layer's dense weight (in the dtype it was stored in), from which
     ``serving_kernel`` compresses cuSPARSELt's operand."""
-    return decompress_24(layer.compressed.data, layer.bitmask.data, layer.sparse24_dense_shape)
+    return decompress_24(layer.compressed.data, layer.bitmask.data, layer.sparse24_dense_shape,
+                         getattr(layer, "sparse24_name", "weight"))  # fmt: skip
