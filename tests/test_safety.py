@@ -454,3 +454,39 @@ def test_serving_refuses_what_a_killed_run_left(workspace):
     with pytest.raises(ValueError, match="unfinished whisper-prune output"):
         check_checkpoint(partial)
     check_checkpoint(partial, unfinished_ok=True)
+
+
+def prune_argv(output: Path, model: Path = MODEL_DIR) -> list[str]:
+    return ["--model", str(model), "--recipe", "wanda_2of4", "--calibration",
+            str(CALIBRATION_TEXT), "--eval-text", str(HELDOUT_TEXT), *DATA,
+            "--skip-dense-eval", "--output-dir", str(output)]  # fmt: skip
+
+
+def test_a_model_directory_without_weights_is_refused(tmp_path, capsys):
+    empty = tmp_path / "model"
+    empty.mkdir()
+    shutil.copy(MODEL_DIR / "config.json", empty / "config.json")
+    assert whisper_prune(prune_argv(tmp_path / "o", empty)) == 2
+    assert f"model directory {empty} has no weights" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_symlink_loop_as_output_is_refused(tmp_path, capsys):
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "loop")
+    assert whisper_prune(prune_argv(loop)) == 2
+    assert f"--output-dir {str(loop)!r} cannot be resolved" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import whisper_modifiers.checkpoint as checkpoint_module
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "o"))
+
+    monkeypatch.setattr(checkpoint_module, "strict_json", full)
+    assert whisper_prune(prune_argv(tmp_path / "o")) == 1
+    assert "no space left on the device while writing the checkpoint" in (capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no partial

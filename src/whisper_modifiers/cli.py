@@ -18,6 +18,7 @@ Ctrl-C or SIGTERM leaves nothing behind.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import sys
@@ -511,6 +512,13 @@ def main(argv=None) -> int:
         return 2
     except PruningFailed as error:
         print(f"whisper-prune: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        print(f"whisper-prune: error: no space left on the device while writing the "
+              f"checkpoint ({error.filename or args.output_dir}); nothing was kept: free "
+              "space or choose another --output-dir", file=sys.stderr)  # fmt: skip
         return 1
     if "output_dir" not in report:
         return 0  # another rank of a torchrun run: rank 0 reports and saves

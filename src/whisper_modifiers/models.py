@@ -143,6 +143,9 @@ def _convert_gguf(gguf: Path, target: Path, tokenizer=None) -> Path:
     return target
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")  # what from_pretrained reads
+
+
 def resolve_model(model: str | None) -> str:
     """A local directory or hub id for ``from_pretrained``; ``None`` or
     ``DEFAULT_MODEL`` gives the embedded default.  A path-like string that does not
@@ -153,6 +156,10 @@ def resolve_model(model: str | None) -> str:
     if path.exists():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model directory {path} has no config.json")
+        if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+            raise FileNotFoundError(
+                f"model directory {path} has no weights (none of {', '.join(WEIGHT_FILES)})"
+            )
         return str(path)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model {model!r} does not exist")
