@@ -17,6 +17,7 @@ naming it, rather than loading a wrong model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -62,33 +63,31 @@ def verify_compressed_layers(files, expected_shapes: dict | None = None) -> int:
     ``(out, in)``, from the model's config) where given. Reads the bitmasks and the
     ``.shape`` tensors, and only the headers of ``.compressed``. Raises
     ``CorruptCheckpointError`` naming the layer and the tensor; returns the layer count."""
-    where = {}
-    for path in map(Path, files):
-        try:
-            with safe_open(path, "pt") as handle:
-                where.update(dict.fromkeys(handle.keys(), path))
-        except Exception as error:  # safetensors' own error names no file
-            raise CorruptCheckpointError(f"{path} cannot be read: {error}") from error
-    layers = sorted(key[: -len(".bitmask")] for key in where if key.endswith(".bitmask"))
-    for name in layers:
-        missing = [f"{name}.{part}" for part in ("compressed", "shape") if f"{name}.{part}"
-                   not in where]  # fmt: skip
-        if missing:
-            raise CorruptCheckpointError(f"{name}: {', '.join(missing)} missing from the files")
-        tensors = {}
-        for part in _PARTS:
-            with safe_open(where[f"{name}.{part}"], "pt") as handle:
-                key = f"{name}.{part}"
-                tensors[part] = (torch.empty(handle.get_slice(key).get_shape(), device="meta")
-                                 if part == "compressed" else handle.get_tensor(key))  # fmt: skip
-        shape = tensors["shape"].reshape(-1).tolist()
-        expected = (expected_shapes or {}).get(name)
-        if len(shape) != 2 or (expected is not None and tuple(shape) != tuple(expected)):
-            raise CorruptCheckpointError(
-                f"{name}.shape holds {shape}, but the model's config makes the layer "
-                f"{list(expected) if expected is not None else '[out, in]'}"
-            )
-        check_compressed(tensors["compressed"], tensors["bitmask"], shape, name)
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for path in map(Path, files):
+            try:
+                handle = stack.enter_context(safe_open(path, "pt"))
+            except Exception as error:  # safetensors' own error names no file
+                raise CorruptCheckpointError(f"{path} cannot be read: {error}") from error
+            where.update(dict.fromkeys(handle.keys(), handle))
+        layers = sorted(key[: -len(".bitmask")] for key in where if key.endswith(".bitmask"))
+        for name in layers:
+            missing = [f"{name}.{part}" for part in ("compressed", "shape")
+                       if f"{name}.{part}" not in where]  # fmt: skip
+            if missing:
+                raise CorruptCheckpointError(f"{name}: {', '.join(missing)} missing")
+            shape = where[f"{name}.shape"].get_tensor(f"{name}.shape").reshape(-1).tolist()
+            expected = (expected_shapes or {}).get(name)
+            if len(shape) != 2 or (expected is not None and tuple(shape) != tuple(expected)):
+                raise CorruptCheckpointError(
+                    f"{name}.shape holds {shape}, but the model's config makes the layer "
+                    f"{list(expected) if expected is not None else '[out, in]'}"
+                )
+            key = f"{name}.compressed"
+            compressed = torch.empty(where[key].get_slice(key).get_shape(), device="meta")
+            bitmask = where[f"{name}.bitmask"].get_tensor(f"{name}.bitmask")
+            check_compressed(compressed, bitmask, shape, name)
     return len(layers)
 
 

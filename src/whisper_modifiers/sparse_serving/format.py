@@ -104,19 +104,31 @@ def decompress_24(
 ) -> torch.Tensor:
     """The dense ``[out, in]`` weight of ``compress_24``'s output, after
     ``check_compressed`` (every loader goes through here, so none can misread a layer)."""
-    mask = check_compressed(compressed, bitmask, shape, name)
-    rows, columns = mask.shape
+    check_compressed(compressed, bitmask, shape, name)
+    rows, columns = int(shape[0]), int(shape[1])
+    mask = unpack_bits(bitmask, columns)
     dense = torch.zeros(rows, columns, dtype=compressed.dtype, device=compressed.device)
     dense[mask] = compressed.reshape(-1)
     return dense
 
 
-def check_compressed(compressed, bitmask, shape, name: str = "weight") -> torch.Tensor:
-    """The ``[out, in]`` keep-mask of a stored 2:4 layer ``name``, after checking, in a
-    few vectorised passes over the bitmask: the shapes agree with ``shape``, every group
-    of four inputs marks exactly two, and the padding bits are clear (so the marks are
-    exactly ``compressed``'s values). Raises ``CorruptCheckpointError`` naming the layer
-    and the tensor."""
+def _nibble_table(high_marks: int | None) -> torch.Tensor:
+    """Per byte value: two marks in its low nibble and ``high_marks`` in its high one
+    (``None``: two, as in a full byte; ``0``: none, the padding of a last half byte)."""
+    ones = [bin(value).count("1") for value in range(16)]
+    return torch.tensor([ones[b & 15] == 2 and (ones[b >> 4] == 2 if high_marks is None
+                                                else b >> 4 == 0) for b in range(256)])  # fmt: skip
+
+
+_FULL_BYTE, _LAST_HALF_BYTE = _nibble_table(None), _nibble_table(0)
+
+
+def check_compressed(compressed, bitmask, shape, name: str = "weight") -> None:
+    """Check a stored 2:4 layer ``name`` in one table look-up per bitmask byte (a byte
+    holds two groups of four inputs): the shapes agree with ``shape``, every group marks
+    exactly two inputs, and the padding bits are clear, so the marks are exactly
+    ``compressed``'s values. Raises ``CorruptCheckpointError`` naming the layer and the
+    tensor (``compressed`` is read for its shape only: a meta tensor will do)."""
     rows, columns = int(shape[0]), int(shape[1])
     expected = {"bitmask": (rows, -(-columns // 8)), "compressed": (rows, columns // 2)}
     for part, tensor in (("bitmask", bitmask), ("compressed", compressed)):
@@ -128,15 +140,24 @@ def check_compressed(compressed, bitmask, shape, name: str = "weight") -> torch.
             )
     if bitmask.dtype != torch.uint8:
         raise CorruptCheckpointError(f"{name}.bitmask is {bitmask.dtype}, not uint8")
+    values = bitmask.to(torch.long)
+    full = columns // 8
+    valid = _FULL_BYTE.to(bitmask.device)[values[:, :full]].all()
+    if columns % 8:  # the last byte holds one group and four padding bits
+        valid &= _LAST_HALF_BYTE.to(bitmask.device)[values[:, full]].all()
+    if not valid:
+        raise CorruptCheckpointError(_bad_groups(bitmask, columns, name))
+
+
+def _bad_groups(bitmask: torch.Tensor, columns: int, name: str) -> str:
+    """Where a bitmask breaks 2:4 (the slow path, for the message only)."""
     bits = unpack_bits(bitmask, bitmask.shape[1] * 8)
     if bits[:, columns:].any():
-        raise CorruptCheckpointError(f"{name}.bitmask marks inputs past {columns}; corrupt")
-    marks = bits[:, :columns].reshape(rows, -1, 4).sum(-1)
-    if (marks != 2).any():
-        row, group = (marks != 2).nonzero()[0].tolist()
-        raise CorruptCheckpointError(
-            f"{name}.bitmask is not 2:4: {int((marks != 2).sum())} of {marks.numel()} groups "
-            f"of four mark other than two inputs (first: row {row}, inputs {4 * group}.."
-            f"{4 * group + 3} mark {int(marks[row, group])}); the checkpoint is corrupt"
-        )
-    return bits[:, :columns]
+        return f"{name}.bitmask marks inputs past {columns}; the checkpoint is corrupt"
+    marks = bits[:, :columns].reshape(bits.shape[0], -1, 4).sum(-1)
+    row, group = (marks != 2).nonzero()[0].tolist()
+    return (
+        f"{name}.bitmask is not 2:4: {int((marks != 2).sum())} of {marks.numel()} groups of "
+        f"four mark other than two inputs (first: row {row}, inputs {4 * group}.."
+        f"{4 * group + 3} mark {int(marks[row, group])}); the checkpoint is corrupt"
+    )
