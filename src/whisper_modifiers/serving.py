@@ -230,7 +230,7 @@ def serve_command(
 ) -> list[str]:
     """The command that serves ``checkpoint`` with vLLM's OpenAI-compatible server
     (run it with ``serving_env()``)."""
-    check_checkpoint(checkpoint)
+    dtype = _checked_dtype(checkpoint, dtype, python)  # checks the checkpoint first
     command = [
         str(serving_python(python)),
         "-m",
@@ -242,7 +242,7 @@ def serve_command(
         "--port",
         str(port),
         "--dtype",
-        _checked_dtype(checkpoint, dtype, python),
+        dtype,
     ]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
@@ -266,13 +266,13 @@ def run_vllm(
     ``max_model_len`` defaults to the longest request (a scored sequence plus the one
     token vLLM must generate). Returns ``{"completions": [[ids]], "scores": [{"nll",
     "tokens"}]}``; a vLLM failure raises ``RuntimeError`` with the end of its output."""
-    check_checkpoint(checkpoint)
+    dtype = _checked_dtype(checkpoint, dtype, python)  # checks the checkpoint first
     if max_model_len is None:
         lengths = [len(ids) + max_tokens for ids in prompts] + [len(ids) + 1 for ids in score]
         max_model_len = max(lengths, default=max_tokens)
     request = {
         "model": str(Path(checkpoint).resolve()),
-        "dtype": _checked_dtype(checkpoint, dtype, python),
+        "dtype": dtype,
         "max_model_len": max_model_len,
         "max_tokens": max_tokens,
         "prompts": [list(map(int, ids)) for ids in prompts],
@@ -282,9 +282,9 @@ def run_vllm(
 
 
 def _checked_dtype(checkpoint, dtype: str | None, python) -> str:
-    """``dtype``, else ``serving_dtype``'s; either way after its check that this machine's
-    vLLM has the kernels the checkpoint needs (``ServingUnavailable``), so that no engine
-    starts to crash."""
+    """``dtype``, else ``serving_dtype``'s; either way after its checks (``check_checkpoint``,
+    every stored 2:4 layer included, then that this machine's vLLM has the kernels the
+    checkpoint needs: ``ServingUnavailable``), so that no engine starts to crash."""
     measured = serving_dtype(checkpoint, python)
     return dtype or measured
 

@@ -40,19 +40,28 @@ class SequenceSumCalibration:
     to float32 rounding, but the same bits whatever the batch size and ranks.
     ``reduce_statistics`` turns the sums into the means the solvers take."""
 
-    def add_hessian(self, module: torch.nn.Module, x: torch.Tensor) -> None:
-        """Add ``X X^T`` of each sequence of ``x`` to ``module``'s Hessian sum (kept on the
-        CPU between batches with ``offload_hessians``)."""
+    def add_sequences(self, statistic: str, count: str, module: torch.nn.Module,
+                      x: torch.Tensor, add) -> None:  # fmt: skip
+        """Add ``add``'s term of each sequence of ``x`` (``add_sequence_grams`` or
+        ``add_sequence_channel_norms``) to ``module``'s float64 sum in the dict attribute
+        ``statistic``, and the sequences to its ``count`` (one of ``SEQUENCE_SUMS``' pairs).
+        Summed on the module's execution device; a Gram sum is kept on the CPU between
+        batches with ``offload_hessians``."""
+        sums, counts = getattr(self, statistic), getattr(self, count)
         device = get_execution_device(module)
-        total = self._hessians.get(module)
-        total = add_sequence_grams(None if total is None else total.to(device), x.to(device))
-        self._hessians[module] = total.cpu() if getattr(self, "offload_hessians", False) else total
-        self._num_samples[module] = self._num_samples.get(module, 0) + num_sequences(x)
+        total = sums.get(module)
+        total = add(None if total is None else total.to(device), x.to(device))
+        offload = add is add_sequence_grams and getattr(self, "offload_hessians", False)
+        sums[module] = total.cpu() if offload else total
+        counts[module] = counts.get(module, 0) + num_sequences(x)
+
+    def add_hessian(self, module: torch.nn.Module, x: torch.Tensor) -> None:
+        """Add ``X X^T`` of each sequence of ``x`` to ``module``'s Hessian sum."""
+        self.add_sequences("_hessians", "_num_samples", module, x, add_sequence_grams)
 
     def add_row_scalars(self, module: torch.nn.Module, x: torch.Tensor) -> None:
         """Add ``||X_j||^2`` of each sequence of ``x`` to ``module``'s Wanda statistic."""
-        self._row_scalars[module] = add_sequence_channel_norms(self._row_scalars.get(module), x)
-        self._num_samples[module] = self._num_samples.get(module, 0) + num_sequences(x)
+        self.add_sequences("_row_scalars", "_num_samples", module, x, add_sequence_channel_norms)
 
 
 class _OwnerSolving:

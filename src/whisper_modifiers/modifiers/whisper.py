@@ -23,7 +23,6 @@ from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import alps_prune, sparsegpt_prune_batch
 from whisper_modifiers.statistics import (
     add_sequence_grams,
-    num_sequences,
     regularized_difference_hessian,
 )
 
@@ -77,13 +76,8 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         if self.pair_source(module) is not module:
             return  # same input and pairs as its source: H and H_Delta are the source's
         self.add_hessian(module, x)
-        device = get_execution_device(module)
-        total = self._difference_hessians.get(module)
-        total = add_sequence_grams(None if total is None else total.to(device),
-                                   differences.to(device))  # fmt: skip
-        self._difference_hessians[module] = total.cpu() if self.offload_hessians else total
-        self._difference_samples[module] = (self._difference_samples.get(module, 0)
-                                            + num_sequences(differences))  # fmt: skip
+        self.add_sequences("_difference_hessians", "_difference_samples", module, differences,
+                           add_sequence_grams)  # fmt: skip
 
     def compress_modules(self):
         """Form ``H~`` for each difference module, then run SparseGPT's solver on all

@@ -21,7 +21,6 @@ from whisper_modifiers.statistics import (
     add_sequence_channel_norms,
     mapping_difficulty,
     neuronwise_difference,
-    num_sequences,
     regularized_difference_norms,
 )
 
@@ -86,8 +85,7 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         (``gamma`` neither 0 nor 1)."""
         if self.gamma == 0:
             return
-        self._plain_norms[module] = add_sequence_channel_norms(self._plain_norms.get(module), x)
-        self._plain_counts[module] = self._plain_counts.get(module, 0) + num_sequences(x)
+        self.add_sequences("_plain_norms", "_plain_counts", module, x, add_sequence_channel_norms)
 
     def _accumulate_difference_norms(self, module, differences: torch.Tensor):
         self.add_row_scalars(module, differences)
