@@ -271,3 +271,48 @@ def quiet_logs() -> None:
     from loguru import logger
 
     logger.disable("llmcompressor")
+
+
+def wikitext_setup(model: str | None):
+    """The source model, its tokenizer, WikiText-2 calibration and evaluation sources
+    (``../shared``'s files, else the hub's) and the evaluation token ids: what the serving
+    benchmarks share."""
+    from transformers import AutoTokenizer
+
+    from whisper_modifiers.evaluation import evaluation_text
+    from whisper_modifiers.models import resolve_model
+
+    source = Path(resolve_model(model))
+    calibration = SHARED / "data" / "wikitext-2" / "valid.txt"
+    evaluation = SHARED / "data" / "wikitext-2-raw-v1" / "test_rows.json"
+    calibration = str(calibration) if calibration.exists() else "wikitext2"
+    evaluation = str(evaluation) if evaluation.exists() else "wikitext2"
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = tokenizer(evaluation_text(evaluation), add_special_tokens=False)["input_ids"]
+    return source, tokenizer, calibration, evaluation, ids
+
+
+def whisper_prune_to(
+    out: Path, recipe: str, model: str | None, calibration: str, evaluation: str,
+    num_sequences: int, seq_len: int, *extra: str,
+) -> Path:  # fmt: skip
+    """``whisper-prune`` of ``recipe`` into ``out`` (one evaluation window, no dense one)."""
+    from whisper_modifiers.cli import main as whisper_prune
+
+    argv = [
+        "--recipe", recipe, "--output-dir", str(out), "--calibration", calibration,
+        "--num-sequences", str(num_sequences), "--seq-len", str(seq_len),
+        "--eval-text", evaluation, "--eval-windows", "1", "--skip-dense-eval", *extra,
+    ] + (["--model", model] if model else [])  # fmt: skip
+    assert whisper_prune(argv) == 0, recipe
+    return out
+
+
+def add_checkpoint_arguments(parser, recipes: list[str]) -> None:
+    """The flags of the serving benchmarks that prune their checkpoints: ``--model``,
+    ``--recipes``, the calibration size and ``--out``."""
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--recipes", nargs="+", default=recipes)
+    parser.add_argument("--num-sequences", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=RESULTS)

@@ -21,7 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, SHARED, quiet_logs, write_json  # noqa: E402
+from common import (  # noqa: E402
+    add_checkpoint_arguments,
+    quiet_logs,
+    whisper_prune_to,
+    wikitext_setup,
+    write_json,
+)
 
 RECIPES = ["whisper_2of4", "whisper_2of4_w8a8", "whisper_2of4_fp8", "whisper_2of4_w4a16"]
 PROMPTS = [
@@ -41,7 +47,12 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
 
     from whisper_modifiers.checkpoint import load_checkpoint
     from whisper_modifiers.evaluation import perplexity
-    from whisper_modifiers.serving import run_vllm, scores_perplexity, serving_dtype
+    from whisper_modifiers.serving import (
+        ServingUnavailable,
+        run_vllm,
+        scores_perplexity,
+        serving_dtype,
+    )
 
     model = load_checkpoint(directory).eval()
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -53,15 +64,16 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
             ].tolist()
             for ids in prompts
         ]
-    # float32 where vLLM has kernels for it, as transformers runs; else what vLLM needs
-    needed = serving_dtype(directory)
-    dtype = "float32" if needed == "auto" else needed
-    row = {"bytes": checkpoint_bytes(directory), "transformers_ppl": reference_ppl,
-           "vllm_dtype": dtype}  # fmt: skip
+    row = {"bytes": checkpoint_bytes(directory), "transformers_ppl": reference_ppl}
+    try:  # float32 where vLLM has kernels for it, as transformers runs; else what vLLM needs
+        needed = serving_dtype(directory)
+    except ServingUnavailable as error:  # this CPU's vLLM build lacks the scheme's kernels
+        return row | {"served": False, "vllm_dtype": "–", "error": str(error).split(";")[0]}
+    row["vllm_dtype"] = "float32" if needed == "auto" else needed
     start = time.perf_counter()
     try:
         served = run_vllm(directory, prompts=prompts, score=windows, max_tokens=max_tokens,
-                          dtype=dtype)  # fmt: skip
+                          dtype=row["vllm_dtype"])  # fmt: skip
     except RuntimeError as error:
         errors = [line for line in str(error).splitlines() if "Error" in line]
         return row | {"served": False, "error": (errors or [str(error)])[-1].strip()}
@@ -79,43 +91,23 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    parser.add_argument("--recipes", nargs="+", default=RECIPES)
-    parser.add_argument("--num-sequences", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=512)
+    add_checkpoint_arguments(parser, RECIPES)
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     quiet_logs()
 
-    from transformers import AutoTokenizer
+    source, tokenizer, calibration, evaluation, ids = wikitext_setup(args.model)
+    from whisper_modifiers.evaluation import evaluation_windows
 
-    from whisper_modifiers.cli import main as whisper_prune
-    from whisper_modifiers.evaluation import evaluation_text, evaluation_windows
-    from whisper_modifiers.models import resolve_model
-
-    source = Path(resolve_model(args.model))
-    calibration = SHARED / "data" / "wikitext-2" / "valid.txt"
-    evaluation = SHARED / "data" / "wikitext-2-raw-v1" / "test_rows.json"
-    calibration = str(calibration) if calibration.exists() else "wikitext2"
-    evaluation = str(evaluation) if evaluation.exists() else "wikitext2"
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    ids = tokenizer(evaluation_text(evaluation), add_special_tokens=False)["input_ids"]
     windows = evaluation_windows(ids, args.eval_seq_len, args.eval_windows)
-
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in args.recipes:
-            out = Path(tmp) / recipe
-            argv = [
-                "--recipe", recipe, "--output-dir", str(out), "--calibration", calibration,
-                "--num-sequences", str(args.num_sequences), "--seq-len", str(args.seq_len),
-                "--eval-text", evaluation, "--eval-seq-len", str(args.eval_seq_len),
-                "--eval-windows", "1", "--skip-dense-eval",
-            ] + (["--model", args.model] if args.model else [])  # fmt: skip
-            assert whisper_prune(argv) == 0, recipe
+            out = whisper_prune_to(Path(tmp) / recipe, recipe, args.model, calibration,
+                                   evaluation, args.num_sequences, args.seq_len,
+                                   "--eval-seq-len", str(args.eval_seq_len))  # fmt: skip
             rows[recipe] = measure(out, tokenizer, windows, args.max_tokens)
             print(recipe, rows[recipe], flush=True)
     report = {

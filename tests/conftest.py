@@ -114,3 +114,22 @@ def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
         }
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def group_32_recipe(directory: Path, stem: str) -> Path:
+    """The W4A16 recipe ``stem`` with groups of 32 inputs, so that stories260K's 64-input
+    layers really are quantized (W4A16's groups of 128 divide none of them, which
+    whisper-prune refuses); its 172-input down_proj stays in 16-bit."""
+    recipe = directory / f"{stem}_g32.yaml"
+    text = (RECIPES / f"{stem}.yaml").read_text()
+    old = '      scheme: W4A16\n      ignore: ["lm_head"]'
+    assert old in text, stem
+    recipe.write_text(text.replace(old, (
+        '      ignore: ["lm_head", "re:.*down_proj$"]\n'
+        "      config_groups:\n"
+        "        group_0:\n"
+        '          targets: ["Linear"]\n'
+        "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group,"
+        " group_size: 32}"
+    )))  # fmt: skip
+    return recipe

@@ -10,7 +10,7 @@ from llmcompressor.modifiers.gptq import GPTQModifier
 from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 from llmcompressor.modifiers.quantization import QuantizationModifier
 
-from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, group_32_recipe
 from whisper_modifiers import MaskedGPTQModifier, WhisperModifier
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.evaluation import perplexity
@@ -150,10 +150,11 @@ def test_stock_gptq_after_pruning_is_refused(run_oneshot, tmp_path, capsys):
     assert "Use MaskedGPTQModifier" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe", ["whisper_2of4_gptq_w4a16", "wisp_plus_2of4_gptq_w4a16"])
-def test_gptq_recipes_run(tmp_path, recipe):
+@pytest.mark.parametrize("stem", ["whisper_2of4_gptq_w4a16", "wisp_plus_2of4_gptq_w4a16"])
+def test_gptq_recipes_run(tmp_path, stem):
     from whisper_modifiers.checkpoint import load_checkpoint
 
+    recipe = str(group_32_recipe(tmp_path, stem))  # groups of 128 divide no stories260K layer
     out = tmp_path / "ckpt"
     args = ["--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT), "--eval-text",
             str(HELDOUT_TEXT), "--num-sequences", "4", "--seq-len", "64", "--eval-seq-len",

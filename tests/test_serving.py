@@ -325,6 +325,125 @@ def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
     assert "ACCEPTED 172 inputs at tensor-parallel size 1" in done.stdout
 
 
+def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, tmp_path):
+    """benchmarks/vllm_correctness.py on a whisper-prune checkpoint: on CPU both layouts
+    run vLLM's dense path on the same weights, so tokens and log-probabilities agree
+    exactly (on a GPU the compressed one runs cuSPARSELt)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    harness = runpy.run_path(str(REPO / "benchmarks" / "vllm_correctness.py"))
+    ckpt = checkpoint("whisper_2of4")
+    argv = ["--checkpoints", str(ckpt), "--prompts", "2", "--prompt-len", "32",
+            "--max-tokens", "4", "--dtype", "float32", "--out", str(tmp_path)]  # fmt: skip
+    assert harness["main"](argv) == 0
+    (row,) = json.loads((tmp_path / "vllm_correctness.json").read_text())["rows"].values()
+    assert row["equal_prompts"] == row["prompts"] == 2 and row["first_difference"] is None
+    assert row["max_abs_logprob_difference"] == 0.0 and row["scored_tokens"] == 2 * 31
+    assert "| 2/2 | – |" in (tmp_path / "vllm_correctness.md").read_text()
+
+
+def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
+    """vLLM's real ``VllmConfig.compute_hash`` (its compile-cache key) changes with the
+    plugin's kernel mode and with any layer's plan, and only with them."""
+    script = (
+        "from vllm.config import VllmConfig\n"
+        "from whisper_modifiers.sparse_serving.compile_key import note_layer\n"
+        "PLAN = {'sparse_from': 256, 'ladder': [1, 256], 'algorithms': [0, 1]}\n"
+        "def key(mode, plans):\n"
+        "    config = VllmConfig()\n"
+        "    for name, plan in plans.items():\n"
+        "        note_layer(config, name, mode, plan)\n"
+        "    return config.compute_hash()\n"
+        "base = key('auto', {'a': PLAN, 'b': None})\n"
+        "print('SAME', base == key('auto', {'b': None, 'a': PLAN}))\n"
+        "print('MODE', base != key('sparse', {'a': PLAN, 'b': None}))\n"
+        "print('PLAN', base != key('auto', {'a': PLAN | {'sparse_from': 512}, 'b': None}))\n"
+        "print('DENSE', base != key('auto', {'a': None, 'b': None}))\n"
+        "print('UNTOUCHED', key('auto', {}) == VllmConfig().compute_hash())\n"
+    )
+    done = subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
+    for check in ("SAME", "MODE", "PLAN", "DENSE", "UNTOUCHED"):
+        assert f"{check} True" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_plugin_names_the_tensor_whose_shape_is_wrong():
+    """Each stored tensor of a 2:4 layer is checked as vLLM loads it (here through a loader
+    that asserts shapes, as vLLM's does): columns, rows, the stored shape, and rows that
+    agree between the three tensors of every part of a merged layer."""
+    script = (
+        "import torch\n"
+        "from whisper_modifiers.sparse_serving.format import compress_24\n"
+        "from whisper_modifiers.sparse_serving import vllm_plugin as plugin\n"
+        "def loader(param, weight, shard=None):\n"
+        "    data = param.data if shard is None else param.data[shard * 16:(shard + 1) * 16]\n"
+        "    assert data.shape == weight.shape\n"
+        "    data.copy_(weight)\n"
+        "def layer():\n"
+        "    module = torch.nn.Module()\n"
+        "    method = plugin._config_class().linear_method('model.layers.0.mlp.gate_up_proj')\n"
+        "    method.create_weights(module, 64, [16, 16], 64, 32, torch.float32,\n"
+        "                          weight_loader=loader)\n"
+        "    return module\n"
+        "weight = torch.zeros(16, 64); weight[:, ::2] = 1.0\n"
+        "compressed, bitmask = compress_24(weight, 'w')\n"
+        "def load(module, part, tensor, shard):\n"
+        "    try:\n"
+        "        getattr(module, part).weight_loader(getattr(module, part), tensor, shard)\n"
+        "    except ValueError as error:\n"
+        "        print(type(error).__name__, error)\n"
+        "def whole(module, shard, rows=16):\n"
+        "    load(module, 'compressed', compressed, shard)\n"
+        "    load(module, 'bitmask', bitmask, shard)\n"
+        "    load(module, 'shape', torch.tensor([[rows], [64]]), shard)\n"
+        "load(layer(), 'compressed', compressed[:, :24], 0)\n"
+        "load(layer(), 'bitmask', bitmask[:12], 1)\n"
+        "load(layer(), 'shape', torch.tensor([[16], [60]]), 0)\n"
+        "module = layer(); whole(module, 0); whole(module, 1, rows=20)\n"
+        "try:\n"
+        "    plugin._take_dense_weight(module)\n"
+        "except ValueError as error:\n"
+        "    print(type(error).__name__, error)\n"
+        "module = layer(); whole(module, 0); whole(module, 1)\n"
+        "dense = plugin._take_dense_weight(module)\n"
+        "print('DENSE', torch.equal(dense, torch.cat([weight, weight])))\n"
+    )
+    done = subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
+    out = done.stdout
+    name = "CorruptCheckpointError model.layers.0.mlp.gate_up_proj"
+    assert (
+        f"{name}.compressed (part 0) has shape [16, 24]; the layer's 64 inputs need [rows, 32]"
+        in out
+    ), out + done.stderr[-2000:]
+    assert (
+        f"{name}.bitmask (part 1) has shape [12, 8], which does not fit the layer's [32, 8]" in out
+    )
+    assert f"{name}.shape (part 0) is [16, 60]: the layer has 64 inputs" in out
+    assert f"{name} (part 1): the stored compressed / bitmask / shape tensors disagree" in out
+    assert "DENSE True" in out
+
+
+def test_vllm_started_directly_names_a_wrong_compressed_tensor(checkpoint, tmp_path):
+    """Bypassing our checks (vLLM started on the checkpoint directly): the plugin itself
+    stops on a ``.compressed`` of the wrong shape, naming it, not with a bare assertion."""
+    from safetensors.torch import load_file, save_file
+
+    from whisper_modifiers.serving import _run_worker
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint("whisper_2of4"), bad)
+    tensors = load_file(bad / "model.safetensors")
+    key = "model.layers.2.mlp.up_proj.compressed"
+    tensors[key] = tensors[key][:, :-4].contiguous()
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    request = {"model": str(bad), "dtype": "float32", "max_model_len": 8, "max_tokens": 1,
+               "prompts": [[1, 2, 3]], "score": []}  # fmt: skip
+    with pytest.raises(
+        RuntimeError, match=r"model\.layers\.2\.mlp\.gate_up_proj\.compressed \(part 1\) has shape"
+    ):
+        _run_worker(request, serving_python(), timeout=600)
+
+
 def test_serving_refuses_bad_checkpoints(tmp_path, capsys):
     legacy = legacy_sparse_checkpoint(tmp_path / "legacy", quantized=True)
     assert whisper_serve([str(legacy), "--dry-run"]) == 2

@@ -301,3 +301,19 @@ def test_cuda_refuses_a_weight_that_is_not_two_four():
     weight = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotTwoFourError, match="weight is not exactly 2:4"):
         kernels.Sparse24Linear(weight)
+
+
+def test_compile_key_records_the_mode_and_every_plan():
+    from types import SimpleNamespace
+
+    from whisper_modifiers.sparse_serving.compile_key import COMPILE_KEY, note_layer
+
+    config = SimpleNamespace(additional_config={"other": 1})
+    note_layer(config, "a", "auto", {"sparse_from": 256, "ladder": [1, 256], "algorithms": [0, 1]})
+    first = dict(config.additional_config[COMPILE_KEY])
+    note_layer(config, "b", "auto", None)
+    assert config.additional_config["other"] == 1
+    assert first["layers"] == 1 and config.additional_config[COMPILE_KEY]["layers"] == 2
+    assert first["plans"] != config.additional_config[COMPILE_KEY]["plans"]
+    with pytest.raises(TypeError, match="additional_config is not a dict"):
+        note_layer(SimpleNamespace(additional_config=None), "a", "auto", None)

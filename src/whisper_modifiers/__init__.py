@@ -1,7 +1,8 @@
 """Difference-informed one-shot pruning (Wisp, Wisp+, Whisper) for llmcompressor.
 
-Importing this package registers every modifier in ``MODIFIERS`` with llmcompressor's
-``ModifierFactory`` under its class name, so YAML recipes can name them, and the
+Importing this package registers every modifier in ``MODIFIERS`` (``modifiers.REGISTRY``'s
+and ``MaskedGPTQModifier``) with llmcompressor's ``ModifierFactory`` under its class name,
+so YAML recipes can name them, and the
 compressed 2:4 checkpoint format with transformers' quantizer registry. In the serving
 environment, which has vLLM but not llmcompressor, nothing is imported: only the
 ``sparse_serving`` subpackage (the vLLM plugin) is used there.
@@ -17,6 +18,7 @@ if importlib.util.find_spec("llmcompressor") is not None:
 
     from whisper_modifiers.modifiers import (
         DEFAULT_DIFFERENCE_TARGETS,
+        MODIFIERS,
         ALPSModifier,
         ALPSWhisperModifier,
         DifferencePruningBase,
@@ -30,18 +32,6 @@ if importlib.util.find_spec("llmcompressor") is not None:
         WispPlusModifier,
     )
 
-    MODIFIERS = (
-        WispModifier,
-        WispPlusModifier,
-        WhisperModifier,
-        OneShotMagnitudeModifier,
-        RIAModifier,
-        RIAWispModifier,
-        RIAWispPlusModifier,
-        ALPSModifier,
-        ALPSWhisperModifier,
-        MaskedGPTQModifier,
-    )
     for _modifier in MODIFIERS:
         ModifierFactory.register(_modifier.__name__, _modifier)
 

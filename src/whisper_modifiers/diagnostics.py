@@ -20,6 +20,7 @@ import zlib
 
 import torch
 
+from whisper_modifiers.methods import MAIN_METHODS
 from whisper_modifiers.solvers import prune_by_score, wanda_scores
 from whisper_modifiers.statistics import (
     STATISTICS_DTYPE,
@@ -45,7 +46,7 @@ __all__ = [
     "wasserstein_to_normal",
 ]
 
-LAYER_METHODS = ("magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper")
+LAYER_METHODS = MAIN_METHODS  # the paper's methods, by methods.py's names
 
 
 @torch.no_grad()

@@ -9,18 +9,7 @@ from __future__ import annotations
 
 from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
 
-from whisper_modifiers.modifiers import (
-    ALPSModifier,
-    ALPSWhisperModifier,
-    OneShotMagnitudeModifier,
-    RIAModifier,
-    RIAWispModifier,
-    RIAWispPlusModifier,
-    WhisperModifier,
-    WispModifier,
-    WispPlusModifier,
-    distributed,
-)
+from whisper_modifiers.modifiers import REGISTRY, distributed
 from whisper_modifiers.modifiers.sequence_sums import sequence_sum_baseline
 
 __all__ = [
@@ -34,21 +23,11 @@ __all__ = [
     "run_oneshot",
 ]
 
-METHODS = {
-    "magnitude": OneShotMagnitudeModifier,
-    "wanda": WandaPruningModifier,
-    "wisp": WispModifier,
-    "wisp_plus": WispPlusModifier,
-    "sparsegpt": SparseGPTModifier,
-    "whisper": WhisperModifier,
-    "ria": RIAModifier,
-    "ria_wisp": RIAWispModifier,
-    "ria_wisp_plus": RIAWispPlusModifier,
-    "alps": ALPSModifier,
-    "alps_whisper": ALPSWhisperModifier,
-}
 MAIN_METHODS = ("magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper")
 COMPOSITE_METHODS = ("ria", "ria_wisp", "ria_wisp_plus", "alps", "alps_whisper")
+_STOCK_METHODS = {"wanda": WandaPruningModifier, "sparsegpt": SparseGPTModifier}
+METHODS = {name: _STOCK_METHODS.get(name) or REGISTRY[name]
+           for name in MAIN_METHODS + COMPOSITE_METHODS}  # fmt: skip
 BASELINE_OF = {
     "wisp": "wanda",
     "wisp_plus": "wanda",
@@ -57,7 +36,6 @@ BASELINE_OF = {
     "ria_wisp_plus": "ria",
     "alps_whisper": "alps",
 }
-_STOCK = (WandaPruningModifier, SparseGPTModifier)
 
 
 def build_recipe(
@@ -68,7 +46,7 @@ def build_recipe(
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     cls = METHODS[method]
     fields = {"sparsity": sparsity, "mask_structure": mask_structure, **options}
-    if cls in _STOCK:
+    if cls in _STOCK_METHODS.values():
         fields.setdefault("ignore", ["re:.*lm_head"])
     if "seed" in cls.model_fields:
         fields.setdefault("seed", seed)

@@ -18,14 +18,18 @@ import torch
 from whisper_modifiers.checkpoint import read_config
 
 __all__ = [
+    "MINIMUMS",
     "UsageError",
     "calibration_sequences",
+    "check_batch_size",
     "check_minimum",
+    "check_offload_device",
     "check_positions",
     "linear_names",
     "meta_model",
     "model_config",
     "read_text",
+    "same_file",
     "summarize_names",
 ]
 
@@ -156,3 +160,49 @@ def summarize_names(names: list[str]) -> str:
     if indices:
         text += f" (i = {min(indices)}..{max(indices)})"
     return text
+
+
+# whisper-prune's flag -> (minimum, what it is)
+MINIMUMS = {
+    "num_sequences": (1, "calibration sequences"),
+    "seq_len": (2, "pairs are formed within a sequence"),
+    "eval_seq_len": (2, "a window predicts its tokens after the first"),
+    "eval_windows": (0, "0 evaluates every window"),
+    "seed": (0, "a torch generator seed"),
+}
+
+
+def check_batch_size(value: str) -> int | str:
+    """``--batch-size``: ``auto`` or a whole number of at least 1."""
+    if value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise UsageError(
+            f"--batch-size must be 'auto' or a whole number of at least 1; got {value!r}"
+        )
+    return number
+
+
+def check_offload_device(value: str) -> str:
+    """``--offload-device``: ``auto``, ``cpu`` or a CUDA device that exists here."""
+    if value in ("auto", "cpu"):
+        return value
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda":
+        raise UsageError(f"--offload-device must be 'auto', 'cpu' or a CUDA device; got {value!r}")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--offload-device {value}: no CUDA device here (use 'cpu' or 'auto')")
+    return value
+
+
+def same_file(first: str, second: str) -> bool:
+    """Whether two data arguments name one file on disk (hub names never do)."""
+    first_path, second_path = Path(first).expanduser(), Path(second).expanduser()
+    return first_path.is_file() and second_path.is_file() and first_path.samefile(second_path)

@@ -139,9 +139,10 @@ def main(request_path: str) -> int:
         for ids, output in zip(request["score"], outputs, strict=True):
             # prompt_logprobs[i] maps token ids to logprobs at position i; it always holds
             # the prompt's own token there; position 0 has no prediction (None).
-            nll = -sum(output.prompt_logprobs[i][token].logprob for i, token in
-                       enumerate(ids) if i > 0)  # fmt: skip
-            answer["scores"].append({"nll": nll, "tokens": len(ids) - 1})
+            logprobs = [output.prompt_logprobs[i][token].logprob for i, token in
+                        enumerate(ids) if i > 0]  # fmt: skip
+            answer["scores"].append({"nll": -sum(logprobs), "tokens": len(ids) - 1,
+                                     "logprobs": logprobs})  # fmt: skip
     print("WHISPER_VLLM_RESULT " + json.dumps(answer), flush=True)
     return 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from compressed_tensors.utils import (
     align_module_device,
@@ -16,6 +18,7 @@ from pydantic import Field
 from whisper_modifiers.modifiers.validation import (
     NonFiniteError,
     SparsityValidation,
+    check_mask_kept,
     parse_mask_structure,
 )
 from whisper_modifiers.solvers import prune_by_score
@@ -41,14 +44,13 @@ class OneShotMagnitudeModifier(SparsityValidation, Modifier):
     ```
     """
 
+    prunes_weights: ClassVar[bool] = True  # for the recipe-order checks (validation.py)
     sparsity: float
     mask_structure: str = "0:0"
     targets: str | list[str] = ["Linear"]
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
 
     def on_initialize(self, state: State, **kwargs) -> bool:
-        from whisper_modifiers.modifiers.masked_gptq import check_mask_kept
-
         check_mask_kept()  # this session's recipe
         n, m = parse_mask_structure(self.mask_structure)
         modules = [

@@ -3,7 +3,7 @@
 ``MaskedGPTQModifier`` is llmcompressor's ``GPTQModifier`` (same fields, calibration,
 batching, distributed path and checkpoint format) whose solver is
 ``masked_quantize_weight``: the OBS update is restricted to the weights the pruning
-modifier kept. ``check_mask_kept`` refuses a recipe in which llmcompressor's stock
+modifier kept. ``validation.check_mask_kept`` refuses a recipe in which the stock
 ``GPTQModifier`` follows a pruning modifier: stock GPTQ moves pruned weights off zero
 (measured on stories260K: Whisper 2:4 then GPTQ W8A8 left 0.5 % of the groups of four
 with more than two nonzeros), so the checkpoint would claim a pattern it does not have.
@@ -17,11 +17,10 @@ from unittest import mock
 
 from llmcompressor.modifiers.gptq import GPTQModifier
 from llmcompressor.modifiers.gptq import base as gptq_base
-from llmcompressor.modifiers.modifier import Modifier
 
 from whisper_modifiers.modifiers.masked_gptq_quantize import masked_quantize_weight
 
-__all__ = ["MaskedGPTQModifier", "check_mask_kept"]
+__all__ = ["MaskedGPTQModifier"]
 
 
 class MaskedGPTQModifier(GPTQModifier):
@@ -48,31 +47,3 @@ class MaskedGPTQModifier(GPTQModifier):
         # llmcompressor's loop (batches, observers, qparams) with our solver in it
         with mock.patch.object(gptq_base, "quantize_weight", masked_quantize_weight):
             super().compress_module_list(module_list)
-
-
-def _prunes(modifier: Modifier) -> bool:
-    from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import SparsityModifierBase
-
-    from whisper_modifiers.modifiers.magnitude import OneShotMagnitudeModifier
-
-    return isinstance(modifier, (SparsityModifierBase, OneShotMagnitudeModifier))
-
-
-def check_mask_kept(modifiers: list[Modifier] | None = None) -> None:
-    """Raise ``ValueError`` if a stock ``GPTQModifier`` comes after a pruning modifier in
-    ``modifiers`` (default: the recipe of llmcompressor's active session, as a pruning
-    modifier sees it in ``on_initialize``)."""
-    if modifiers is None:
-        from llmcompressor.core import active_session
-
-        modifiers = active_session().lifecycle.recipe.modifiers
-    pruner = None
-    for modifier in modifiers:
-        if _prunes(modifier):
-            pruner = modifier
-        elif pruner is not None and type(modifier) is GPTQModifier:
-            raise ValueError(
-                f"GPTQModifier follows {type(pruner).__name__} in this recipe: stock GPTQ "
-                "moves pruned weights off zero, breaking the sparsity pattern (2:4 "
-                "included). Use MaskedGPTQModifier (the same fields), which keeps the mask"
-            )

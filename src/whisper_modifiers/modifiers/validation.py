@@ -5,11 +5,17 @@ from __future__ import annotations
 import re
 
 import torch
+from llmcompressor.modifiers.gptq import GPTQModifier
+from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import SparsityModifierBase
+from llmcompressor.modifiers.quantization import QuantizationModifier
 from pydantic import BaseModel, field_validator, model_validator
 
 __all__ = [
     "NonFiniteError",
     "SparsityValidation",
+    "check_mask_kept",
+    "check_prune_then_quantize",
+    "prunes",
     "check_finite_activations",
     "check_finite_weights",
     "check_sparsity",
@@ -112,3 +118,45 @@ class SparsityValidation(BaseModel):
         structure = parse_mask_structure(self.mask_structure)
         check_sparsity_matches_structure(self.sparsity, *structure)
         return self
+
+
+# ---- the order of a recipe's modifiers ---------------------------------------------------
+
+
+def prunes(modifier) -> bool:
+    """Whether ``modifier`` prunes weights: llmcompressor's sparsity modifiers (and so all
+    of ours built on them), or a modifier that says so (``prunes_weights``)."""
+    return isinstance(modifier, SparsityModifierBase) or getattr(modifier, "prunes_weights", False)
+
+
+def check_mask_kept(modifiers: list | None = None) -> None:
+    """Raise ``ValueError`` if a stock ``GPTQModifier`` comes after a pruning modifier in
+    ``modifiers`` (default: the recipe of llmcompressor's active session, as a pruning
+    modifier sees it in ``on_initialize``)."""
+    if modifiers is None:
+        from llmcompressor.core import active_session
+
+        modifiers = active_session().lifecycle.recipe.modifiers
+    pruner = None
+    for modifier in modifiers:
+        if prunes(modifier):
+            pruner = modifier
+        elif pruner is not None and type(modifier) is GPTQModifier:
+            raise ValueError(
+                f"GPTQModifier follows {type(pruner).__name__} in this recipe: stock GPTQ "
+                "moves pruned weights off zero, breaking the sparsity pattern (2:4 "
+                "included). Use MaskedGPTQModifier (the same fields), which keeps the mask"
+            )
+
+
+def check_prune_then_quantize(modifiers: list) -> None:
+    """Refuse a quantization modifier before a pruning one: pruning would then zero
+    quantized weights under scales fitted to the dense ones (or, for a packed scheme,
+    find no float weight to prune)."""
+    for index, modifier in enumerate(modifiers):
+        later = [m for m in modifiers[index + 1 :] if prunes(m)]
+        if isinstance(modifier, (QuantizationModifier, GPTQModifier)) and later:
+            raise ValueError(
+                f"{type(modifier).__name__} comes before {type(later[0]).__name__}; prune "
+                "first, then quantize (put the quantization modifier after the pruning one)"
+            )

@@ -17,8 +17,9 @@ from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
 from pydantic import Field, PrivateAttr
 
-from whisper_modifiers.modifiers.base import DifferencePruningBase, Gamma
+from whisper_modifiers.modifiers.base import DifferencePruningBase
 from whisper_modifiers.modifiers.distributed import solve_on_owners
+from whisper_modifiers.modifiers.gamma_auto import Gamma
 from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import alps_prune, sparsegpt_prune_batch
 from whisper_modifiers.statistics import (

@@ -4,15 +4,18 @@
 
     "quantization_config": {"quant_method": "whisper-modifiers-sparse24",
                             "format": "sparse-24-bitmask", "sparsity_structure": "2:4",
-                            "targets": [names of the compressed Linear modules]}
+                            "targets": [names of the compressed Linear modules]},
+    "transformers_weights": format.STOCK_LOADER_GUARD
 
 and, for a chain quantized to one int8/float8 value per weight (W8A8, FP8_DYNAMIC), the
 original compressed-tensors ``quantization_config`` nested in it: the compressed values
 are then the quantized ones, the scales are stored as before.
 
 transformers and vLLM know this method only through this package (``checkpoint.
-load_checkpoint`` and the vLLM plugin); stock vLLM refuses it as an unknown method,
-naming it, rather than loading a wrong model.
+load_checkpoint`` and the vLLM plugin). Stock vLLM refuses it as an unknown method, naming
+it; stock transformers refuses the ``transformers_weights`` guard with its text, which
+names the package (without it transformers would skip the unknown method and load the 2:4
+layers as random weights).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from safetensors.torch import save_file
 
 from whisper_modifiers.sparse_serving.format import (
     QUANT_METHOD,
+    STOCK_LOADER_GUARD,
     CorruptCheckpointError,
     check_compressed,
     compress_24,
@@ -156,6 +160,7 @@ def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
     }
     if quantization:  # the compressed values are the quantized ones; scales as before
         config["quantization_config"]["quantization_config"] = quantization
+    config["transformers_weights"] = STOCK_LOADER_GUARD
     config_path.write_text(json.dumps(config, indent=2))
     return sizes
 
@@ -204,6 +209,8 @@ def write_dense_layout(source: str | Path, target: str | Path) -> Path:
         data["weight_map"] = weight_map
         (target / index.name).write_text(json.dumps(data, indent=2))
     config = json.loads((source / "config.json").read_text())
+    if config.get("transformers_weights") == STOCK_LOADER_GUARD:
+        del config["transformers_weights"]
     quantization = config.pop("quantization_config", None) or {}
     if quantization.get("quantization_config"):
         config["quantization_config"] = quantization["quantization_config"]

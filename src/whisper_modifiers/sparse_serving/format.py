@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "QUANT_METHOD",
+    "STOCK_LOADER_GUARD",
     "CorruptCheckpointError",
     "check_compressed",
     "NotTwoFourError",
@@ -36,6 +37,17 @@ __all__ = [
 # our own (transformers cannot re-register "compressed-tensors"), and the name of the
 # package whose plugin serves it, so stock vLLM's "Unknown quantization method" names it
 QUANT_METHOD = "whisper-modifiers-sparse24"
+
+# config.json's ``transformers_weights`` of a compressed 2:4 checkpoint. transformers skips a
+# quantization method it does not know (a warning) and would random-initialise every 2:4
+# Linear; this field (the name of the weights file transformers should read, which vLLM
+# ignores) is refused by stock transformers before any weight loads, with this text in
+# its ValueError. The quantizer that ``import whisper_modifiers`` registers removes it.
+STOCK_LOADER_GUARD = (
+    "this is a compressed 2:4 checkpoint of whisper-modifiers; to load it, run "
+    "`pip install whisper-modifiers` and `import whisper_modifiers` before from_pretrained "
+    "(stock transformers would load its 2:4 layers as random weights)"
+)
 
 _BITS = 1 << torch.arange(8, dtype=torch.int32)  # bit i of a byte is column 8j + i
 

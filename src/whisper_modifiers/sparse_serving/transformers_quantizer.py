@@ -18,6 +18,7 @@ import torch
 from whisper_modifiers.sparse_serving.checkpoint import dequantize, verify_compressed_layers
 from whisper_modifiers.sparse_serving.format import (
     QUANT_METHOD,
+    STOCK_LOADER_GUARD,
     decompress_24,
 )
 
@@ -76,6 +77,13 @@ def register() -> None:
         """Loads compressed 2:4 weights dense; the model itself is not changed."""
 
         requires_calibration = False
+
+        def update_tp_plan(self, config):
+            # the one hook that sees the model config before transformers resolves the
+            # weight files: the guard against stock loaders is not a file name
+            if getattr(config, "transformers_weights", None) == STOCK_LOADER_GUARD:
+                delattr(config, "transformers_weights")
+            return super().update_tp_plan(config)
 
         def _process_model_before_weight_loading(self, model, checkpoint_files=None,
                                                  **kwargs):  # fmt: skip

@@ -29,12 +29,18 @@ Imports only torch and vLLM (and this subpackage).
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
+from whisper_modifiers.sparse_serving.compile_key import note_layer
 from whisper_modifiers.sparse_serving.cpu_int8 import ExactInt8Linear, wants_exact_int8
-from whisper_modifiers.sparse_serving.format import QUANT_METHOD, decompress_24
+from whisper_modifiers.sparse_serving.format import (
+    QUANT_METHOD,
+    CorruptCheckpointError,
+    decompress_24,
+)
 from whisper_modifiers.sparse_serving.kernels import kernel_mode, serving_kernel
 
 __all__ = ["register", "sparse24_dense_weight"]
@@ -56,6 +62,7 @@ def register() -> None:
 
 
 def _config_class():
+    from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.linear import (
         LinearBase,
         LinearMethodBase,
@@ -66,9 +73,10 @@ def _config_class():
     class Sparse24LinearMethod(UnquantizedLinearMethod):
         """2:4 weights loaded compressed, decompressed after loading."""
 
-        def __init__(self, name: str):
+        def __init__(self, name: str, vllm_config=None):
             super().__init__()
             self.name = name
+            self.vllm_config = vllm_config  # whose compile-cache key records the kernel
 
         def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                            input_size, output_size, params_dtype,
@@ -81,6 +89,9 @@ def _config_class():
         def process_weights_after_loading(self, layer) -> None:
             weight = _take_dense_weight(layer)
             kernel = serving_kernel(weight)
+            if self.vllm_config is not None:
+                plan = None if kernel is None else asdict(kernel.plan)
+                note_layer(self.vllm_config, self.name, kernel_mode(), plan)
             if kernel is None or kernel.dense is not None:
                 layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
             if kernel is None:
@@ -215,7 +226,7 @@ def _config_class():
             if not compressed:
                 return inner
             if isinstance(inner, UnquantizedLinearMethod):
-                return Sparse24LinearMethod(prefix)
+                return Sparse24LinearMethod(prefix, get_current_vllm_config())
             return QuantizedSparse24LinearMethod(prefix, inner)
 
     return Sparse24Config
@@ -255,6 +266,7 @@ def _register_compressed(layer, name, input_size_per_partition, input_size, rows
             "compressed 2:4 weight; use a tensor-parallel size that divides the input size "
             "into multiples of 8"
         )
+    layer.sparse24_stored_rows = {}  # (part, checkpoint part) -> rows, checked after loading
     for part, columns, part_dtype in (
         ("compressed", input_size_per_partition // 2, dtype),
         ("bitmask", -(-input_size_per_partition // 8), torch.uint8),  # whole bytes per row
@@ -263,17 +275,70 @@ def _register_compressed(layer, name, input_size_per_partition, input_size, rows
                                        requires_grad=False)  # fmt: skip
         layer.register_parameter(part, parameter)
         parameter.output_dim, parameter.input_dim = 0, 1
-        parameter.weight_loader = weight_loader
+        stored_columns = input_size // 2 if part == "compressed" else -(-input_size // 8)
+        parameter.weight_loader = _checked_loader(layer, part, stored_columns, weight_loader)
         for key, value in extra_weight_attrs.items():
             setattr(parameter, key, value)
     shape = torch.nn.Parameter(torch.empty(2, 1, dtype=torch.int64), requires_grad=False)
-    shape.weight_loader = lambda *args, **kwargs: None  # known from the layer
+    shape.weight_loader = _checked_loader(layer, "shape", 1, None)  # known from the layer
     layer.register_parameter("shape", shape)
     layer.sparse24_dense_shape = (rows, input_size_per_partition)
+    layer.sparse24_input_size = input_size
     layer.sparse24_name = name
 
 
+def _checked_loader(layer, part, columns, weight_loader):
+    """``weight_loader`` (vLLM's own, of the layer) for the checkpoint tensor ``part``,
+    after checking its columns (the layer's whole input size, compressed), so a tensor of
+    the wrong shape is an error naming the layer and the tensor rather than vLLM's bare
+    ``AssertionError``. The rows of every stored tensor are recorded by checkpoint part
+    (``q``/``k``/``v``, gate/up, or the whole layer) and compared in ``_take_dense_weight``."""
+
+    def load(param, loaded_weight, shard=None, *args, **kwargs):
+        name = f"{layer.sparse24_name}.{part}" + ("" if shard is None else f" (part {shard})")
+        if part == "shape":
+            stored = loaded_weight.reshape(-1).tolist()
+            if len(stored) != 2 or stored[1] != layer.sparse24_input_size:
+                raise CorruptCheckpointError(
+                    f"{name} is {stored}: the layer has {layer.sparse24_input_size} inputs"
+                )
+            layer.sparse24_stored_rows[(part, shard)] = stored[0]
+            return
+        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != columns:
+            raise CorruptCheckpointError(
+                f"{name} has shape {list(loaded_weight.shape)}; the layer's "
+                f"{layer.sparse24_input_size} inputs need [rows, {columns}]"
+            )
+        layer.sparse24_stored_rows[(part, shard)] = loaded_weight.shape[0]
+        try:
+            weight_loader(
+                param, loaded_weight, *(() if shard is None else (shard,)), *args, **kwargs
+            )
+        except AssertionError as error:  # vLLM's shape assertion, on the rows
+            raise CorruptCheckpointError(
+                f"{name} has shape {list(loaded_weight.shape)}, which does not fit the "
+                f"layer's {list(param.shape)}"
+            ) from error
+
+    return load
+
+
+def _check_stored_rows(layer) -> None:
+    """Every checkpoint part's ``compressed``, ``bitmask`` and ``shape`` agree on its rows."""
+    by_shard: dict = {}
+    for (part, shard), rows in layer.sparse24_stored_rows.items():
+        by_shard.setdefault(shard, {})[part] = rows
+    for shard, rows in by_shard.items():
+        if len(set(rows.values())) != 1 or len(rows) != 3:
+            suffix = "" if shard is None else f" (part {shard})"
+            raise CorruptCheckpointError(
+                f"{layer.sparse24_name}{suffix}: the stored compressed / bitmask / shape "
+                f"tensors disagree on the rows or one is missing: {rows}"
+            )
+
+
 def _take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
+    _check_stored_rows(layer)
     weight = sparse24_dense_weight(layer)
     for part in ("compressed", "bitmask", "shape"):
         delattr(layer, part)
