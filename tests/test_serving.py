@@ -306,8 +306,8 @@ def test_legacy_sparse_24_bitmask_is_served_through_the_plugin(checkpoint, token
 def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
     script = (
         "import torch\n"
-        "from whisper_modifiers.sparse_serving.vllm_plugin import _config_class\n"
-        "method = _config_class().linear_method('model.layers.0.mlp.down_proj')\n"
+        "from whisper_modifiers.sparse_serving.vllm_layers import Sparse24Config\n"
+        "method = Sparse24Config.linear_method('model.layers.0.mlp.down_proj')\n"
         "method.create_weights(torch.nn.Module(), 172, [64], 172, 64, torch.float32,\n"
         "                      weight_loader=None)\n"
         "print('ACCEPTED 172 inputs at tensor-parallel size 1')\n"
@@ -325,10 +325,13 @@ def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
     assert "ACCEPTED 172 inputs at tensor-parallel size 1" in done.stdout
 
 
-def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, tmp_path):
+def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
     """benchmarks/vllm_correctness.py on a whisper-prune checkpoint: on CPU both layouts
     run vLLM's dense path on the same weights, so tokens and log-probabilities agree
-    exactly (on a GPU the compressed one runs cuSPARSELt)."""
+    exactly (on a GPU the compressed one runs cuSPARSELt). Run in the plugin's ``sparse``
+    mode, after the other tests' engines ran in ``auto``: a mode switch on one machine."""
+    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE24", "sparse")
     sys.path.insert(0, str(REPO / "benchmarks"))
     harness = runpy.run_path(str(REPO / "benchmarks" / "vllm_correctness.py"))
     ckpt = checkpoint("whisper_2of4")
@@ -373,14 +376,14 @@ def test_plugin_names_the_tensor_whose_shape_is_wrong():
     script = (
         "import torch\n"
         "from whisper_modifiers.sparse_serving.format import compress_24\n"
-        "from whisper_modifiers.sparse_serving import vllm_plugin as plugin\n"
+        "from whisper_modifiers.sparse_serving import vllm_layers as plugin\n"
         "def loader(param, weight, shard=None):\n"
         "    data = param.data if shard is None else param.data[shard * 16:(shard + 1) * 16]\n"
         "    assert data.shape == weight.shape\n"
         "    data.copy_(weight)\n"
         "def layer():\n"
         "    module = torch.nn.Module()\n"
-        "    method = plugin._config_class().linear_method('model.layers.0.mlp.gate_up_proj')\n"
+        "    method = plugin.Sparse24Config.linear_method('model.layers.0.mlp.gate_up_proj')\n"
         "    method.create_weights(module, 64, [16, 16], 64, 32, torch.float32,\n"
         "                          weight_loader=loader)\n"
         "    return module\n"
