@@ -76,7 +76,7 @@ def per_shape(models, tokens, dtype) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from whisper_modifiers.sparse_serving import kernels
+    from whisper_modifiers.sparse_serving import dispatch_plans, kernels
 
     rows = []
     for model in models:
@@ -86,9 +86,9 @@ def per_shape(models, tokens, dtype) -> list[dict]:
             always = kernels.Sparse24Linear(weight, keep_dense=False, plan=dispatched.plan)
             for count in tokens:
                 x = torch.randn(count, in_features, device="cuda", dtype=dtype)
-                dense_ms = kernels._gpu_milliseconds(lambda: F.linear(x, weight))  # noqa: B023
-                sparse_ms = kernels._gpu_milliseconds(lambda: always(x))  # noqa: B023
-                dispatch_ms = kernels._gpu_milliseconds(lambda: dispatched(x))  # noqa: B023
+                dense_ms = dispatch_plans._gpu_milliseconds(lambda: F.linear(x, weight))  # noqa: B023
+                sparse_ms = dispatch_plans._gpu_milliseconds(lambda: always(x))  # noqa: B023
+                dispatch_ms = dispatch_plans._gpu_milliseconds(lambda: dispatched(x))  # noqa: B023
                 rows.append(
                     {
                         "model": model,
@@ -139,7 +139,7 @@ def llama_7b_shaped(layers: int, dtype):
 def time_forward(model, batch: int, sequence: int) -> tuple[float, str]:
     import torch
 
-    from whisper_modifiers.sparse_serving import kernels
+    from whisper_modifiers.sparse_serving import dispatch_plans
 
     ids = torch.randint(0, model.config.vocab_size, (batch, sequence), device="cuda")
 
@@ -148,7 +148,7 @@ def time_forward(model, batch: int, sequence: int) -> tuple[float, str]:
 
     with torch.no_grad():
         try:
-            return kernels._gpu_milliseconds(forward, repeats=3, trials=5), "graph"
+            return dispatch_plans._gpu_milliseconds(forward, repeats=3, trials=5), "graph"
         except Exception:  # a forward that cannot be captured is timed eagerly
             torch.cuda.synchronize()
             for _ in range(2):
@@ -171,7 +171,7 @@ def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[
     activation as a serving engine's kernels do, leaving the GEMMs as they are)."""
     import torch
 
-    from whisper_modifiers.sparse_serving import kernels
+    from whisper_modifiers.sparse_serving import dispatch_plans, kernels
 
     model = llama_7b_shaped(layers, dtype)
     print(f"attention: {model.config._attn_implementation}", flush=True)
@@ -188,7 +188,7 @@ def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[
     dispatched = measure()
     for module in model.modules():
         if isinstance(module, kernels.Sparse24Linear):
-            module.plan = kernels.DispatchPlan.always_sparse(module.plan)
+            module.plan = dispatch_plans.DispatchPlan.always_sparse(module.plan)
     always = measure()
     rows = []
     for shape in shapes:
@@ -432,9 +432,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sparse_kernels: no CUDA device here; nothing to measure (2:4 GEMMs need sm80+).")
         return 0
-    from whisper_modifiers.sparse_serving import kernels
+    from whisper_modifiers.sparse_serving import sparse_op
 
-    if not kernels.sparse_kernel_available("cuda", torch.bfloat16):
+    if not sparse_op.sparse_kernel_available("cuda", torch.bfloat16):
         print(f"sparse_kernels: {torch.cuda.get_device_name()} has no cuSPARSELt 2:4 GEMM.")
         return 0
     dtype = torch.bfloat16

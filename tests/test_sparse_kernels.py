@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from whisper_modifiers.sparse_serving import kernels
+from whisper_modifiers.sparse_serving import dispatch_plans, kernels, sparse_op
 from whisper_modifiers.sparse_serving.format import NotTwoFourError
 
-CUDA_24 = torch.cuda.is_available() and kernels.sparse_kernel_available("cuda", torch.bfloat16)
+CUDA_24 = torch.cuda.is_available() and sparse_op.sparse_kernel_available("cuda", torch.bfloat16)
 needs_cuda = pytest.mark.skipif(not CUDA_24, reason="needs CUDA sm80+ with cuSPARSELt")
 
 SHAPES = [
@@ -131,7 +131,7 @@ def test_sparse24_linear_is_a_custom_op_that_compiles_whole():
     weight = prune_24(torch.randn(32, 64))
     layer = kernels.Sparse24Linear(weight)
     x = torch.randn(3, 5, 64)
-    torch.library.opcheck(kernels.sparse24_linear, (x, None, weight, None, 32, 1 << 62, [1], [0]))
+    torch.library.opcheck(sparse_op.sparse24_linear, (x, None, weight, None, 32, 1 << 62, [1], [0]))
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
 
@@ -144,7 +144,7 @@ def table(pairs):
 
 
 def test_plan_runs_dense_where_the_table_says_dense_is_faster():
-    plan = kernels.plan_from_timings(
+    plan = dispatch_plans.plan_from_timings(
         table(
             [
                 (1, 1.0, 1.3),
@@ -158,14 +158,17 @@ def test_plan_runs_dense_where_the_table_says_dense_is_faster():
     )
     assert plan.sparse_from == 1024 and plan.uses_dense()
     assert plan.ladder == (1, 16, 256, 512, 1024, 4096)
-    pick = lambda t: kernels._dispatch(t, plan.sparse_from, plan.ladder, plan.algorithms)  # noqa: E731
+    pick = lambda t: sparse_op._dispatch(t, plan.sparse_from, plan.ladder, plan.algorithms)  # noqa: E731
     assert [pick(t) for t in (1, 15, 300, 1023)] == [None] * 4
     assert (pick(1024), pick(4095), pick(4096), pick(10**6)) == (4, 4, 5, 5)
 
 
 def test_plan_never_sparse_when_the_largest_count_loses_and_always_when_none_loses():
-    assert kernels.plan_from_timings(table([(1, 1.0, 0.5), (4096, 1.0, 1.1)])).sparse_from > 1e15
-    plan = kernels.plan_from_timings(table([(1, 1.0, 0.5), (4096, 1.0, 0.6)]))
+    assert (
+        dispatch_plans.plan_from_timings(table([(1, 1.0, 0.5), (4096, 1.0, 1.1)])).sparse_from
+        > 1e15
+    )
+    plan = dispatch_plans.plan_from_timings(table([(1, 1.0, 0.5), (4096, 1.0, 0.6)]))
     assert plan.sparse_from == 1 and not plan.uses_dense()
 
 
@@ -179,13 +182,13 @@ def test_layout_around_the_sparse_call_matches_a_reference(monkeypatch):
         calls.append((x2d.shape[0], algorithm))
         return (compressed @ x2d.t()).t().contiguous()
 
-    monkeypatch.setattr(kernels, "_sparse_matmul", reference_matmul)
+    monkeypatch.setattr(sparse_op, "sparse_matmul", reference_matmul)
     weight, bias = prune_24(torch.randn(24, 32, dtype=torch.float64)), torch.randn(24).double()
-    plan = kernels.plan_from_timings(table([(1, 1.0, 2.0), (8, 1.0, 0.5), (64, 1.0, 0.5)]))
+    plan = dispatch_plans.plan_from_timings(table([(1, 1.0, 2.0), (8, 1.0, 0.5), (64, 1.0, 0.5)]))
     for shape in [(3, 32), (8, 32), (2, 13, 32), (65, 32)]:
         x = torch.randn(*shape, dtype=torch.float64)
         for b in (None, bias):
-            y = kernels.sparse24_linear(
+            y = sparse_op.sparse24_linear(
                 x, weight, weight, b, 24, plan.sparse_from, list(plan.ladder), list(plan.algorithms)
             )
             torch.testing.assert_close(y, F.linear(x, weight, b), rtol=1e-12, atol=1e-12)
@@ -205,20 +208,20 @@ def test_kernel_mode_is_checked(monkeypatch):
 
 def test_plan_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("WHISPER_MODIFIERS_CACHE", str(tmp_path))
-    path = kernels.plan_cache_file()
+    path = dispatch_plans.plan_cache_file()
     assert path.parent == tmp_path
-    kernels._write_plans(
+    dispatch_plans._write_plans(
         path, {"k": {"sparse_from": 256, "ladder": [1, 256], "algorithms": [0, 3]}}
     )
-    assert kernels._read_plans(path)["k"]["algorithms"] == [0, 3]
+    assert dispatch_plans._read_plans(path)["k"]["algorithms"] == [0, 3]
     path.write_text("{broken")
-    assert kernels._read_plans(path) == {}
+    assert dispatch_plans._read_plans(path) == {}
 
 
 def test_sparse_kernel_needs_cuda_and_sixteen_bits():
-    assert not kernels.sparse_kernel_available("cpu", torch.bfloat16)
+    assert not sparse_op.sparse_kernel_available("cpu", torch.bfloat16)
     if torch.cuda.is_available():
-        assert not kernels.sparse_kernel_available("cuda", torch.float32)
+        assert not sparse_op.sparse_kernel_available("cuda", torch.float32)
 
 
 # ---- CUDA ----------------------------------------------------------------------------------
@@ -256,7 +259,7 @@ def test_cuda_dispatch_bias_leading_dims_and_graph_capture(tmp_path, monkeypatch
     )
     layer = kernels.Sparse24Linear(weight, bias)  # measures a plan (and caches it)
     assert layer.plan.uses_dense() == (layer.dense is not None)
-    assert kernels.plan_cache_file().is_file()
+    assert dispatch_plans.plan_cache_file().is_file()
     for shape in [(1, 4096), (2, 3, 4096), (5, 513, 4096), (4, 1024, 4096)]:
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         assert_bf16_close(layer(x), F.linear(x, weight, bias))

@@ -8,10 +8,12 @@ environment alone.
 * ``checkpoint``: write a saved checkpoint's 2:4 Linear weights in that layout and
   declare it in ``config.json``; read such a checkpoint back as a dense state dict;
 * ``paths``: the package's cache directory (``$WHISPER_MODIFIERS_CACHE``);
-* ``kernels``: 2:4 GEMMs on sm80+ GPUs (cuSPARSELt) with a measured dispatch to dense,
-  as ``Sparse24Linear`` and ``accelerate(model)``;
+* ``sparse_op``: cuSPARSELt's 2:4 GEMM on sm80+ GPUs as one ``torch.library`` op;
+* ``dispatch_plans``: from which token count it beats dense, measured and cached;
+* ``kernels``: ``Sparse24Linear``, ``accelerate(model)`` and the serving kernel mode;
 * ``vllm_plugin``: the ``vllm.general_plugins`` entry point that registers the format
-  with vLLM (and runs its layers through ``kernels``);
+  with vLLM; ``vllm_layers``: its config and linear methods (which run ``kernels``);
+* ``compile_key``: the plugin's part of vLLM's compile-cache key;
 * ``transformers_quantizer``: the format in transformers' quantizer registry
   (``import whisper_modifiers`` registers it).
 """

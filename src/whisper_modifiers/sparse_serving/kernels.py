@@ -1,306 +1,36 @@
-"""2:4 sparse GEMMs on sm80+ GPUs (cuSPARSELt, through torch), with a measured dispatch.
-
-A Linear layer computes ``y = x Wᵀ (+ b)`` for tokens ``x`` (T, in). Here ``W`` (out, in),
-2:4 along the inputs, is cuSPARSELt's sparse operand ``A`` (``torch._cslt_compress``), and
-the dense operand is ``B = xᵀ`` taken as a *view* of ``x`` (column-major, no copy). With
-``transpose_result=True`` cuSPARSELt writes ``(A B)ᵀ = x Wᵀ`` as a row-major (T, out)
-tensor: the call needs no transpose of ``x`` or of ``y`` (measured on an H100 with torch
-2.11 / cuSPARSELt: as fast as the plain (out, T) result, and ~2× faster than a drop-in
-that transposes the result back). Token counts are padded to a multiple of 8, the dense
-operand's granularity, and the padding rows are cut off the result (a contiguous row
-slice).
-
-The sparse GEMM loses to dense below a few hundred tokens (decode), so a
-``DispatchPlan`` measured once per GPU, dtype and weight shape (at load time, cached on
-disk) says from which token count the sparse kernel runs and with which cuSPARSELt
-algorithm per token range; below it the dense weight runs. ``torch.cuda`` graph capture
-never measures: plans are made before, and a shape without a plan runs dense.
-
-The op is ``torch.ops.whisper_modifiers.sparse24_linear`` (a ``torch.library`` custom
-op, so ``torch.compile`` and vLLM's compiled graphs keep it whole). Anywhere the sparse
-kernel cannot run (CPU, float32, no cuSPARSELt, a shape it refuses), it is exactly
-``F.linear`` with the dense weight.
+"""2:4 layers that run cuSPARSELt's GEMM where their ``DispatchPlan`` says it is faster:
+``Sparse24Linear`` (a drop-in ``nn.Linear``), fused q/k/v and gate/up groups, and
+``accelerate(model)`` which swaps them into a transformers model in place; and the
+serving-side kernel choice (``$WHISPER_MODIFIERS_SPARSE24``, ``serving_kernel``) that the
+vLLM plugin uses. The op is ``sparse_op``'s, the plans ``dispatch_plans``'.
 
 Imports only torch (and this subpackage).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
-import threading
-from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from whisper_modifiers.sparse_serving.dispatch_plans import DENSE_ONLY, DispatchPlan, plan_for
 from whisper_modifiers.sparse_serving.format import NotTwoFourError, check_two_four
-from whisper_modifiers.sparse_serving.paths import cache_dir
+from whisper_modifiers.sparse_serving.sparse_op import (
+    kernel_shape_ok,
+    sparse24_linear,
+    sparse_kernel_available,
+)
 
 __all__ = [
-    "TOKEN_LADDER",
-    "DispatchPlan",
+    "KERNEL_MODES",
+    "KERNEL_MODE_VARIABLE",
+    "FusedPart",
     "FusedSparse24Linear",
     "Sparse24Linear",
     "accelerate",
-    "measure_plan",
-    "plan_for",
-    "sparse24_linear",
+    "kernel_mode",
     "serving_kernel",
-    "sparse_kernel_available",
 ]
-
-TOKEN_LADDER = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-"""Token counts a plan is measured at; a count between two points uses the lower one's."""
-
-SPARSE_MARGIN = 0.98
-"""The sparse kernel runs only where it took at most this fraction of dense's time."""
-
-_ROW_GRANULARITY = 8  # cuSPARSELt's dense operand: 16-bit dims in multiples of 8
-_WEIGHT_GRANULARITY = 16  # its sparse operand: 16-bit dims in multiples of 16
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-_NEVER = 1 << 62
-
-
-@dataclass(frozen=True)
-class DispatchPlan:
-    """Where the sparse kernel runs: for ``tokens >= sparse_from``, with cuSPARSELt
-    algorithm ``algorithms[i]`` for the ladder range ``[ladder[i], ladder[i + 1])``."""
-
-    sparse_from: int
-    ladder: tuple[int, ...]
-    algorithms: tuple[int, ...]
-
-    @classmethod
-    def always_sparse(cls, plan: DispatchPlan | None = None) -> DispatchPlan:
-        if plan is None:
-            return cls(1, (1,), (0,))
-        return cls(1, plan.ladder, plan.algorithms)
-
-    def uses_dense(self) -> bool:
-        return self.sparse_from > 1
-
-
-DENSE_ONLY = DispatchPlan(_NEVER, (1,), (0,))
-"""The plan of a layer the sparse kernel cannot run (CPU, float32, a refused shape)."""
-
-
-def _ladder_index(ladder, tokens: int) -> int:
-    index = 0
-    for i, point in enumerate(ladder):
-        if point <= tokens:
-            index = i
-    return index
-
-
-def _dispatch(tokens: int, sparse_from: int, ladder, algorithms) -> int | None:
-    """The cuSPARSELt algorithm for ``tokens``, or None for dense."""
-    if tokens < sparse_from:
-        return None
-    return algorithms[_ladder_index(ladder, tokens)]
-
-
-def sparse_kernel_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether cuSPARSELt 2:4 GEMMs run for ``dtype`` on ``device`` (CUDA, sm80+)."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype not in _KERNEL_DTYPES or not torch.cuda.is_available():
-        return False
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return False
-    return bool(torch.backends.cusparselt.is_available())
-
-
-def _kernel_shape_ok(weight: torch.Tensor) -> bool:
-    out_features, in_features = weight.shape
-    return out_features % _WEIGHT_GRANULARITY == 0 and in_features % _WEIGHT_GRANULARITY == 0
-
-
-def _pad_rows(x2d: torch.Tensor) -> torch.Tensor:
-    missing = -x2d.shape[0] % _ROW_GRANULARITY
-    return F.pad(x2d, (0, 0, 0, missing)) if missing else x2d
-
-
-def _sparse_matmul(compressed: torch.Tensor, x2d: torch.Tensor, algorithm: int) -> torch.Tensor:
-    """``x2d Wᵀ`` (tokens, out) for tokens padded to the granularity: ``A = W`` sparse,
-    ``B = x2dᵀ`` a column-major view, the result written transposed (row-major)."""
-    return torch._cslt_sparse_mm(compressed, x2d.t(), transpose_result=True, alg_id=algorithm)
-
-
-def _sparse24_linear(x, compressed, dense, bias, out_features, sparse_from, ladder, algorithms):
-    leading = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
-    tokens = x2d.shape[0]
-    algorithm = None if compressed is None else _dispatch(tokens, sparse_from, ladder, algorithms)
-    if algorithm is None:
-        if dense is None:
-            raise RuntimeError("sparse24_linear: no dense weight to run below the plan")
-        return F.linear(x, dense, bias)
-    y = _sparse_matmul(compressed, _pad_rows(x2d), algorithm)[:tokens]
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*leading, out_features)
-
-
-@torch.library.custom_op("whisper_modifiers::sparse24_linear", mutates_args=())
-def sparse24_linear(
-    x: torch.Tensor,
-    compressed: torch.Tensor | None,
-    dense: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_features: int,
-    sparse_from: int,
-    ladder: list[int],
-    algorithms: list[int],
-) -> torch.Tensor:
-    """``x Wᵀ + b`` for a 2:4 ``W``: cuSPARSELt's GEMM on ``compressed`` where the plan
-    (``sparse_from``, ``ladder``, ``algorithms``; see ``DispatchPlan``) says so, else
-    ``F.linear`` on ``dense``."""
-    return _sparse24_linear(
-        x, compressed, dense, bias, out_features, sparse_from, ladder, algorithms
-    )
-
-
-@sparse24_linear.register_fake
-def _(x, compressed, dense, bias, out_features, sparse_from, ladder, algorithms):
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-# ---- measuring plans -------------------------------------------------------------------
-
-
-def _gpu_milliseconds(fn, repeats: int = 10, trials: int = 5) -> float:
-    """Median GPU time of ``fn`` (a CUDA graph of ``repeats`` calls, replayed)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / repeats)
-    del graph
-    return statistics.median(times)
-
-
-def measure_plan(
-    compressed: torch.Tensor, dense: torch.Tensor, ladder=TOKEN_LADDER, margin=SPARSE_MARGIN
-) -> tuple[DispatchPlan, list[dict]]:
-    """Time dense against sparse (with cuSPARSELt's best algorithm, searched per point)
-    at each ladder token count; sparse runs from the lowest point at and above which it
-    always took at most ``margin`` of dense's time. Returns the plan and the timings."""
-    timings = []
-    in_features = dense.shape[1]
-    for tokens in ladder:
-        x = torch.randn(tokens, in_features, device=dense.device, dtype=dense.dtype)
-        padded = _pad_rows(x)
-        algorithm = torch._cslt_sparse_mm_search(compressed, padded.t(), transpose_result=True)
-        dense_ms = _gpu_milliseconds(lambda: F.linear(x, dense))  # noqa: B023
-        sparse_ms = _gpu_milliseconds(
-            lambda: _sparse_matmul(compressed, _pad_rows(x), algorithm)[:tokens]  # noqa: B023
-        )
-        timings.append(
-            {
-                "tokens": tokens,
-                "algorithm": int(algorithm),
-                "dense_ms": dense_ms,
-                "sparse_ms": sparse_ms,
-            }
-        )
-    return plan_from_timings(timings, margin), timings
-
-
-def plan_from_timings(timings: list[dict], margin: float = SPARSE_MARGIN) -> DispatchPlan:
-    """The plan a measured table gives: sparse from the lowest token count at and above
-    which the sparse kernel always took at most ``margin`` of dense's time (so a count
-    where dense measured faster, and every count below it, runs dense)."""
-    sparse_from = _NEVER
-    for row in sorted(timings, key=lambda r: r["tokens"], reverse=True):
-        if row["sparse_ms"] > margin * row["dense_ms"]:
-            break
-        sparse_from = row["tokens"]
-    rows = sorted(timings, key=lambda r: r["tokens"])
-    return DispatchPlan(
-        sparse_from, tuple(r["tokens"] for r in rows), tuple(r["algorithm"] for r in rows)
-    )
-
-
-def plan_cache_file() -> Path:
-    """``sparse24_plans.json`` in the package's cache (``paths.cache_dir``)."""
-    return cache_dir() / "sparse24_plans.json"
-
-
-_plans: dict[str, DispatchPlan] = {}
-_plans_lock = threading.Lock()
-
-
-def _plan_key(dense: torch.Tensor) -> str:
-    device = dense.device
-    return "|".join(
-        (
-            torch.cuda.get_device_name(device),
-            torch.__version__,
-            str(torch.backends.cusparselt.version()),
-            str(dense.dtype).removeprefix("torch."),
-            "x".join(map(str, dense.shape)),
-        )
-    )
-
-
-def plan_for(compressed: torch.Tensor, dense: torch.Tensor) -> DispatchPlan:
-    """The plan for this GPU, torch, cuSPARSELt, dtype and weight shape: from memory, the
-    cache file, or measured now (and saved). Never measures inside graph capture."""
-    key = _plan_key(dense)
-    with _plans_lock:
-        if key in _plans:
-            return _plans[key]
-        path = plan_cache_file()
-        stored = _read_plans(path)
-        if key in stored:
-            plan = DispatchPlan(
-                **{k: tuple(v) if isinstance(v, list) else v for k, v in stored[key].items()}
-            )
-        else:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("a 2:4 dispatch plan cannot be measured during graph capture")
-            plan, _ = measure_plan(compressed, dense)
-            stored = _read_plans(path)
-            stored[key] = asdict(plan)
-            _write_plans(path, stored)
-        _plans[key] = plan
-        return plan
-
-
-def _read_plans(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_plans(path: Path, plans: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(plans, indent=1, sort_keys=True))
-        partial.replace(path)
-    except OSError:
-        pass  # an unwritable cache only costs a measurement next time
-
-
-# ---- modules ---------------------------------------------------------------------------
 
 
 class Sparse24Linear(torch.nn.Module):
@@ -325,7 +55,7 @@ class Sparse24Linear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.compressed = None
         self.plan = DENSE_ONLY
-        if sparse_kernel_available(weight.device, weight.dtype) and _kernel_shape_ok(weight):
+        if sparse_kernel_available(weight.device, weight.dtype) and kernel_shape_ok(weight):
             check_two_four(weight.detach(), "weight")
             self.compressed = torch._cslt_compress(weight.detach())
             if keep_dense:
@@ -381,7 +111,7 @@ def serving_kernel(weight: torch.Tensor) -> Sparse24Linear | None:
     where it would only run dense (CPU, float32, ``dense``)."""
     mode = kernel_mode()
     if mode == "dense" or not (
-        sparse_kernel_available(weight.device, weight.dtype) and _kernel_shape_ok(weight)
+        sparse_kernel_available(weight.device, weight.dtype) and kernel_shape_ok(weight)
     ):
         return None
     return Sparse24Linear(weight, keep_dense=mode == "auto")
