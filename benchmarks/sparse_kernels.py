@@ -223,7 +223,7 @@ def vllm_throughput(layers: int) -> dict:
     import torch
     from transformers import AutoTokenizer  # noqa: F401  (vLLM needs a tokenizer dir)
 
-    from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
+    from whisper_modifiers.sparse_serving.layout import write_sparse24
 
     with tempfile.TemporaryDirectory() as root:
         dense_dir, sparse_dir = Path(root, "dense"), Path(root, "sparse24")

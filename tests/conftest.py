@@ -81,7 +81,7 @@ def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
     ``quantized`` adds a quantization scheme (a combination nothing reads today)."""
     from transformers import AutoModelForCausalLM
 
-    from whisper_modifiers.sparse_serving.checkpoint import write_sparse24
+    from whisper_modifiers.sparse_serving.layout import write_sparse24
 
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
     targets = []

@@ -31,7 +31,7 @@ from whisper_modifiers.diagnose_cli import main as whisper_diagnose
 from whisper_modifiers.methods import METHODS
 from whisper_modifiers.modifiers.validation import NonFiniteError
 from whisper_modifiers.output_dir import partial_output, remove_stale_partials
-from whisper_modifiers.serve_cli import main as whisper_serve
+from whisper_modifiers.serving.cli import main as whisper_serve
 
 DATA = ["--num-sequences", "4", "--seq-len", "64", "--eval-seq-len", "128", "--eval-windows", "2"]
 

@@ -28,7 +28,6 @@ from whisper_modifiers.checkpoint import RECORD_FILE, REPORT_FILE, load_checkpoi
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
 from whisper_modifiers.models import embedded_model_dir
-from whisper_modifiers.serve_cli import main as whisper_serve
 from whisper_modifiers.serving import (
     Server,
     ServingUnavailable,
@@ -38,6 +37,7 @@ from whisper_modifiers.serving import (
     serving_python,
     vllm_perplexity,
 )
+from whisper_modifiers.serving.cli import main as whisper_serve
 from whisper_modifiers.sparse_serving import QUANT_METHOD
 
 try:
@@ -59,7 +59,7 @@ ISA_CAPS = [None, "AVX2"]
 def missing_ops(ckpt) -> list[str]:
     """The ops this checkpoint's scheme needs that this CPU's build of vLLM lacks, asked
     of the installed vLLM (not of the machine the test was written on)."""
-    from whisper_modifiers.serving import _probe_request, _run_worker
+    from whisper_modifiers.serving.engine import _probe_request, _run_worker
 
     config = json.loads((ckpt / "config.json").read_text())
     request = _probe_request(ckpt, config, ["bfloat16"])
@@ -189,7 +189,7 @@ def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
     the probe reports it missing and serving refuses before any engine starts. Its AVX-512
     build has the op but no float32 version (``not implemented for 'Float'``): there the
     probe picks 16 bits. An unquantized checkpoint is served as saved."""
-    from whisper_modifiers.serving import _probe_request, _run_worker
+    from whisper_modifiers.serving.engine import _probe_request, _run_worker
 
     ckpt = checkpoint("whisper_2of4_w4a16")
     request = _probe_request(ckpt, json.loads((ckpt / "config.json").read_text()),
@@ -431,7 +431,7 @@ def test_vllm_started_directly_names_a_wrong_compressed_tensor(checkpoint, tmp_p
     stops on a ``.compressed`` of the wrong shape, naming it, not with a bare assertion."""
     from safetensors.torch import load_file, save_file
 
-    from whisper_modifiers.serving import _run_worker
+    from whisper_modifiers.serving.engine import _run_worker
 
     bad = tmp_path / "bad"
     shutil.copytree(checkpoint("whisper_2of4"), bad)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, group_32_recipe
 from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
-from whisper_modifiers.serve_cli import main as whisper_serve
+from whisper_modifiers.serving.cli import main as whisper_serve
 from whisper_modifiers.sparse_serving import (
     QUANT_METHOD,
     CorruptCheckpointError,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_modifiers.sparse_serving.checkpoint import (
+from whisper_modifiers.sparse_serving.layout import (
     is_sparse24_checkpoint,
     verify_compressed_layers,
     weight_files,
@@ -219,15 +219,15 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
     A compressed 2:4 checkpoint of ours without quantization loads through the quantizer
     ``import whisper_modifiers`` registered with transformers. A quantized one (W8A8, FP8)
     or a legacy ``sparse-24-bitmask`` one is first rewritten in the dense layout in a
-    temporary directory (``sparse_serving.checkpoint.write_dense_layout``) and loaded from
+    temporary directory (``sparse_serving.layout.write_dense_layout``) and loaded from
     there, so a quantized chain runs compressed-tensors' quantized forward (activation
     quantization included) exactly as its dense layout would.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from whisper_modifiers.sparse_serving.checkpoint import write_dense_layout
     from whisper_modifiers.sparse_serving.format import QUANT_METHOD
+    from whisper_modifiers.sparse_serving.layout import write_dense_layout
 
     config = check_checkpoint(directory)
     quantization = config.get("quantization_config") or {}

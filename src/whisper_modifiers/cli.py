@@ -66,7 +66,7 @@ from whisper_modifiers.recipes import (
     storage_layout,
     two_four_layers,
 )
-from whisper_modifiers.sparse_serving.checkpoint import write_dense_layout, write_sparse24
+from whisper_modifiers.sparse_serving.layout import write_dense_layout, write_sparse24
 
 __all__ = [
     "REPORT_FILE",

@@ -67,7 +67,7 @@ def check_prunable(model_id: str, config) -> bool:
     quantization: whisper-prune then loads it through its dense layout (a temporary copy,
     since llmcompressor refuses a model whose config.json names another quantization
     method). A quantized checkpoint is refused: its weights are not full precision."""
-    from whisper_modifiers.sparse_serving.checkpoint import is_sparse24_checkpoint
+    from whisper_modifiers.sparse_serving.layout import is_sparse24_checkpoint
 
     quantization = getattr(config, "quantization_config", None)
     if not quantization:

@@ -1,11 +1,13 @@
-"""The serving side of 2:4 checkpoints: their compressed format, GPU kernels and the vLLM plugin.
+"""What runs inside vLLM (and transformers) for 2:4 checkpoints: their compressed format,
+GPU kernels and the vLLM plugin; installed into the serving environment alone (the driver
+that starts vLLM from this package's environment is ``whisper_modifiers.serving``).
 
 Imports only torch, safetensors, vLLM (``vllm_plugin``) and transformers
 (``transformers_quantizer``), never llmcompressor: it installs into the serving
 environment alone.
 
 * ``format``: compress and decompress 2:4 weights (values + 4-bit-per-group bitmask);
-* ``checkpoint``: write a saved checkpoint's 2:4 Linear weights in that layout and
+* ``layout``: write a saved checkpoint's 2:4 Linear weights in that layout and
   declare it in ``config.json``; read such a checkpoint back as a dense state dict;
 * ``paths``: the package's cache directory (``$WHISPER_MODIFIERS_CACHE``);
 * ``sparse_op``: cuSPARSELt's 2:4 GEMM on sm80+ GPUs as one ``torch.library`` op;

@@ -20,12 +20,12 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from whisper_modifiers.sparse_serving.checkpoint import dequantize, verify_compressed_layers
 from whisper_modifiers.sparse_serving.format import (
     QUANT_METHOD,
     STOCK_LOADER_GUARD,
     decompress_24,
 )
+from whisper_modifiers.sparse_serving.layout import dequantize, verify_compressed_layers
 
 __all__ = ["Sparse24Decompress", "Sparse24HfQuantizer", "Sparse24TransformersConfig", "register"]
 

