@@ -111,6 +111,7 @@ class Plan:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """whisper-prune's flags (one declaration each, hence the length)."""
     parser = argparse.ArgumentParser(
         prog="whisper-prune",
         description="Prune a causal LM with a whisper-modifiers or llmcompressor recipe, "

@@ -158,6 +158,8 @@ def sparsegpt_prune_batch(
     (``prune_n`` of every ``prune_m`` inputs of each row, or the ``sparsity`` fraction of
     each block of the whole matrix) and the error ``(w - q) / Hinv_jj`` is spread over the
     later columns by row ``j`` of ``Hinv``.
+
+    One function on purpose: it is ``sparsify_weight``'s loop, batched, line for line.
     """
     weight = weights.to(torch.float32).clone()
     hessian = hessians.to(device=weight.device, dtype=torch.float32).clone()
@@ -238,6 +240,10 @@ def alps_prune(
 
     ``prune_n``/``prune_m`` prune N of every M consecutive inputs of each row;
     unstructured sparsity keeps the largest ``round((1 - sparsity) n m)`` of the layer.
+
+    One function on purpose: it follows the reference implementation's loop (set-up,
+    ADMM with its rho schedule, conjugate-gradient refinement) step for step, so that the
+    two can be read side by side.
     """
     dtype = weight.dtype
     w = weight.float()

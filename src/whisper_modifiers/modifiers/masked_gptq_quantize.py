@@ -51,7 +51,10 @@ def masked_quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """llmcompressor's ``gptq_quantize.quantize_weight`` (same arguments and results:
     weights ``[batch, rows, columns]``, Hessians ``[batch, columns, columns]``) with every
-    weight that is zero on entry kept at exactly zero."""
+    weight that is zero on entry kept at exactly zero.
+
+    One function on purpose: it is ``quantize_weight``'s loop line for line, with the mask
+    applied where the OBS update is made, so that the two can be compared directly."""
     batch_size, num_rows, num_columns = weights.shape
     final_dtype = weights.dtype
     device = weights.device

@@ -111,6 +111,37 @@ def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
             f"{' / '.join(QUANTIZED_FORMATS)} ones (one value per weight)"
         )
     wanted = {f"{name}.weight": name for name in targets}
+    files, found, sizes = _compress_files(directory, wanted)
+    missing = sorted(set(wanted) - found)
+    if missing:
+        raise ValueError(f"{directory} has no tensor {missing[0]} (of {len(missing)} targets)")
+    index = directory / "model.safetensors.index.json"
+    for path, (tensors, metadata) in files.items():
+        save_file(tensors, path, metadata=metadata or {"format": "pt"})
+    if index.is_file():
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"]
+        for key, name in wanted.items():
+            shard = weight_map.pop(key)
+            weight_map.update({f"{name}.{part}": shard for part in _PARTS})
+        index.write_text(json.dumps(data, indent=2))
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD,
+        "format": "sparse-24-bitmask",
+        "sparsity_structure": "2:4",
+        "targets": sorted(targets),
+    }
+    if quantization:  # the compressed values are the quantized ones; scales as before
+        config["quantization_config"]["quantization_config"] = quantization
+    config["transformers_weights"] = STOCK_LOADER_GUARD
+    config_path.write_text(json.dumps(config, indent=2))
+    return sizes
+
+
+def _compress_files(directory: Path, wanted: dict[str, str]):
+    """Every weight file of ``directory`` in memory with the ``wanted`` weights
+    (``NAME.weight`` -> ``NAME``) compressed, before anything is written: ``({path:
+    (tensors, metadata)}, the wanted keys found, their dense and compressed bytes)``."""
     files, found, sizes = {}, set(), {"dense_bytes": 0, "compressed_bytes": 0}
     for path in weight_files(directory):  # compress everything first, then write
         tensors, metadata = {}, None
@@ -139,30 +170,7 @@ def write_sparse24(directory: str | Path, targets: list[str]) -> dict:
                 )
                 found.add(key)
         files[path] = (tensors, metadata)
-    missing = sorted(set(wanted) - found)
-    if missing:
-        raise ValueError(f"{directory} has no tensor {missing[0]} (of {len(missing)} targets)")
-    index = directory / "model.safetensors.index.json"
-    for path, (tensors, metadata) in files.items():
-        save_file(tensors, path, metadata=metadata or {"format": "pt"})
-    if index.is_file():
-        data = json.loads(index.read_text())
-        weight_map = data["weight_map"]
-        for key, name in wanted.items():
-            shard = weight_map.pop(key)
-            weight_map.update({f"{name}.{part}": shard for part in _PARTS})
-        index.write_text(json.dumps(data, indent=2))
-    config["quantization_config"] = {
-        "quant_method": QUANT_METHOD,
-        "format": "sparse-24-bitmask",
-        "sparsity_structure": "2:4",
-        "targets": sorted(targets),
-    }
-    if quantization:  # the compressed values are the quantized ones; scales as before
-        config["quantization_config"]["quantization_config"] = quantization
-    config["transformers_weights"] = STOCK_LOADER_GUARD
-    config_path.write_text(json.dumps(config, indent=2))
-    return sizes
+    return files, found, sizes
 
 
 def is_sparse24_checkpoint(config: dict) -> bool:
