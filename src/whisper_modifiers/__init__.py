@@ -16,23 +16,10 @@ __all__ = []
 if importlib.util.find_spec("llmcompressor") is not None:
     from llmcompressor.modifiers.factory import ModifierFactory
 
-    from whisper_modifiers.modifiers import (
-        DEFAULT_DIFFERENCE_TARGETS,
-        MODIFIERS,
-        ALPSModifier,
-        ALPSWhisperModifier,
-        DifferencePruningBase,
-        MaskedGPTQModifier,
-        OneShotMagnitudeModifier,
-        RIAModifier,
-        RIAWispModifier,
-        RIAWispPlusModifier,
-        WhisperModifier,
-        WispModifier,
-        WispPlusModifier,
-    )
+    from whisper_modifiers import modifiers as _modifiers
+    from whisper_modifiers.modifiers import *  # noqa: F403  (the modifiers' own __all__)
 
-    for _modifier in MODIFIERS:
+    for _modifier in _modifiers.MODIFIERS:
         ModifierFactory.register(_modifier.__name__, _modifier)
 
     # transformers loads compressed 2:4 checkpoints (decompressed) from now on
@@ -42,18 +29,4 @@ if importlib.util.find_spec("llmcompressor") is not None:
 
     _register_sparse24()
 
-    __all__ = [
-        "DEFAULT_DIFFERENCE_TARGETS",
-        "MODIFIERS",
-        "ALPSModifier",
-        "ALPSWhisperModifier",
-        "DifferencePruningBase",
-        "MaskedGPTQModifier",
-        "OneShotMagnitudeModifier",
-        "RIAModifier",
-        "RIAWispModifier",
-        "RIAWispPlusModifier",
-        "WhisperModifier",
-        "WispModifier",
-        "WispPlusModifier",
-    ]
+    __all__ = list(_modifiers.__all__)
