@@ -66,6 +66,13 @@ def missing_ops(ckpt) -> list[str]:
     return _run_worker(request, serving_python(), timeout=600)["missing_ops"]
 
 
+def in_serving_env(script: str, env=None) -> subprocess.CompletedProcess:
+    """``script`` run by the serving environment's Python (away from the repository, so
+    that it imports the installed package)."""
+    return subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=tempfile.gettempdir(), env=env)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """``checkpoint(recipe, layout)``: the embedded SmolLM2-135M pruned by ``recipe`` and
@@ -237,8 +244,7 @@ def test_int8_saturation_is_detected_and_the_exact_path_is_exact(isa_cap):
     way. Capped at AVX2 (``ONEDNN_MAX_CPU_ISA``), oneDNN should saturate on any x86 CPU;
     the answer is printed, and only the consistency is asserted, which holds on every CPU."""
     env = {**os.environ, **({"ONEDNN_MAX_CPU_ISA": isa_cap} if isa_cap else {})}
-    done = subprocess.run([str(serving_python()), "-c", INT8_CHECK], capture_output=True,
-                          text=True, timeout=300, cwd=tempfile.gettempdir(), env=env)  # fmt: skip
+    done = in_serving_env(INT8_CHECK, env)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
     assert line, done.stdout[-2000:] + done.stderr[-2000:]
     _, saturates, ours, stock = line[0].split()
@@ -317,8 +323,7 @@ def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
         "except ValueError as error:\n"
         "    print('REFUSED', error)\n"
     )
-    done = subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
+    done = in_serving_env(script)
     assert "REFUSED model.layers.0.mlp.down_proj: its tensor-parallel shard holds 36 of 72" in (
         done.stdout
     ), done.stdout + done.stderr[-2000:]
@@ -363,8 +368,7 @@ def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
         "print('DENSE', base != key('auto', {'a': None, 'b': None}))\n"
         "print('UNTOUCHED', key('auto', {}) == VllmConfig().compute_hash())\n"
     )
-    done = subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
+    done = in_serving_env(script)
     for check in ("SAME", "MODE", "PLAN", "DENSE", "UNTOUCHED"):
         assert f"{check} True" in done.stdout, done.stdout + done.stderr[-2000:]
 
@@ -410,8 +414,7 @@ def test_plugin_names_the_tensor_whose_shape_is_wrong():
         "dense = plugin._take_dense_weight(module)\n"
         "print('DENSE', torch.equal(dense, torch.cat([weight, weight])))\n"
     )
-    done = subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
+    done = in_serving_env(script)
     out = done.stdout
     name = "CorruptCheckpointError model.layers.0.mlp.gate_up_proj"
     assert (

@@ -313,10 +313,14 @@ def test_compile_key_records_the_mode_and_every_plan():
 
     config = SimpleNamespace(additional_config={"other": 1})
     note_layer(config, "a", "auto", {"sparse_from": 256, "ladder": [1, 256], "algorithms": [0, 1]})
-    first = dict(config.additional_config[COMPILE_KEY])
     note_layer(config, "b", "auto", None)
     assert config.additional_config["other"] == 1
-    assert first["layers"] == 1 and config.additional_config[COMPILE_KEY]["layers"] == 2
-    assert first["plans"] != config.additional_config[COMPILE_KEY]["plans"]
+    assert config.additional_config[COMPILE_KEY] == {
+        "mode": "auto",
+        "layers": {
+            "a": {"sparse_from": 256, "ladder": [1, 256], "algorithms": [0, 1]},
+            "b": "dense",
+        },
+    }
     with pytest.raises(TypeError, match="additional_config is not a dict"):
         note_layer(SimpleNamespace(additional_config=None), "a", "auto", None)

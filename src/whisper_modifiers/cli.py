@@ -99,7 +99,7 @@ class Plan:
     writer: bool  # rank 0: evaluates and writes
     batch_size: int | str
     offload_device: str
-    recipe: Path = None
+    recipe: Path  # readable and non-empty; parsed by check_inputs
     modifiers: list = field(default_factory=list)
     layout: str = "dense"
     tokenizer: object = None
@@ -190,7 +190,6 @@ def check_inputs(args: argparse.Namespace) -> Plan:
     plan = _check_flags(args)
     _tokenize_texts(plan)
     skeleton = meta_model(plan.config)
-    plan.recipe = resolve_recipe(args.recipe)
     plan.modifiers = load_recipe(plan.recipe, skeleton)
     check_recipe_targets(plan.recipe, plan.modifiers, skeleton, args.num_sequences)
     plan.layout = storage_layout(args.layout, plan.modifiers)
@@ -201,7 +200,7 @@ def _check_flags(args: argparse.Namespace) -> Plan:
     started = time.time()
     for name, (minimum, meaning) in MINIMUMS.items():
         check_minimum(f"--{name.replace('_', '-')}", getattr(args, name), minimum, meaning)
-    resolve_recipe(args.recipe)  # a missing or empty recipe, before any other work
+    recipe = resolve_recipe(args.recipe)  # a missing or empty recipe, before other work
     batch_size = check_batch_size(args.batch_size)
     offload_device = check_offload_device(args.offload_device)
     distributed.init_from_torchrun()  # under torchrun: join the process group
@@ -215,7 +214,7 @@ def _check_flags(args: argparse.Namespace) -> Plan:
     except FileNotFoundError as error:
         raise UsageError(f"--model: {error}") from error
     output_dir = args.output_dir or Path("outputs") / (
-        f"{Path(model_id.rstrip('/')).name}-{resolve_recipe(args.recipe).stem}"
+        f"{Path(model_id.rstrip('/')).name}-{recipe.stem}"
     )
     inputs = [p for p in (model_id, args.calibration, args.eval_text) if Path(p).exists()]
     try:
@@ -225,7 +224,7 @@ def _check_flags(args: argparse.Namespace) -> Plan:
     config = model_config(model_id)
     check_positions(config, **{"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
     return Plan(args, started, model_id, config, output_dir, inputs, distributed.rank() == 0,
-                batch_size, offload_device)  # fmt: skip
+                batch_size, offload_device, recipe)  # fmt: skip
 
 
 def _tokenize_texts(plan: Plan) -> None:

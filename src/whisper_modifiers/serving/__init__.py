@@ -9,30 +9,7 @@ What runs *inside* vLLM (the plugin, the compressed format, the kernels) is the
 ``sparse_serving`` subpackage, which is installed into ``.venv-serve`` alone.
 """
 
-from whisper_modifiers.serving.engine import (
-    SERVING_PYTHON_ENV,
-    Server,
-    ServingUnavailable,
-    quantized_layers,
-    run_vllm,
-    scores_perplexity,
-    serve_command,
-    serving_dtype,
-    serving_env,
-    serving_python,
-    vllm_perplexity,
-)
+from whisper_modifiers.serving import engine as _engine
+from whisper_modifiers.serving.engine import *  # noqa: F403  (the driver's API)
 
-__all__ = [
-    "SERVING_PYTHON_ENV",
-    "Server",
-    "ServingUnavailable",
-    "quantized_layers",
-    "run_vllm",
-    "scores_perplexity",
-    "serve_command",
-    "serving_dtype",
-    "serving_env",
-    "serving_python",
-    "vllm_perplexity",
-]
+__all__ = list(_engine.__all__)

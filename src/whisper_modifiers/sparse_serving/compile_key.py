@@ -15,29 +15,23 @@ Standard library only.
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 __all__ = ["COMPILE_KEY", "note_layer"]
 
 # the entry of vLLM's ``additional_config`` that holds this plugin's factors
 COMPILE_KEY = "whisper_modifiers_sparse24"
 
-_LAYERS: dict[int, dict[str, object]] = {}  # id(vllm_config) -> {layer: plan or "dense"}
-
 
 def note_layer(vllm_config, layer: str, mode: str, plan: dict | None) -> None:
     """Record that the 2:4 ``layer`` runs in kernel ``mode`` with the dispatch ``plan``
     (a ``DispatchPlan`` as a dict; None where it runs vLLM's dense path) in the compile-cache
-    key of ``vllm_config``: ``additional_config[COMPILE_KEY]`` holds the mode, the number of
-    layers and a digest of every layer's plan."""
+    key of ``vllm_config``: ``additional_config[COMPILE_KEY]`` holds the mode and every
+    layer's plan (a few KB for a 7B model, hashed with the rest of the config)."""
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
         raise TypeError(
             "vLLM's additional_config is not a dict here, so the 2:4 plugin cannot add its "
             f"kernel mode and plans to the compile-cache key; got {type(extra).__name__}"
         )
-    layers = _LAYERS.setdefault(id(vllm_config), {})
-    layers[layer] = "dense" if plan is None else plan
-    digest = hashlib.sha256(json.dumps(layers, sort_keys=True).encode()).hexdigest()[:16]
-    extra[COMPILE_KEY] = {"mode": mode, "layers": len(layers), "plans": digest}
+    entry = extra.setdefault(COMPILE_KEY, {"mode": mode, "layers": {}})
+    entry["mode"] = mode
+    entry["layers"][layer] = "dense" if plan is None else plan
