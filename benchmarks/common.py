@@ -151,13 +151,14 @@ class PeakMemory:
             self.bytes = self.peak - self.start
 
 
-def prune(model, tokenizer, dataset, recipe) -> tuple[float, int]:
-    """Run ``oneshot``; returns (wall seconds, peak extra memory in bytes)."""
+def prune(model, tokenizer, dataset, recipe, **oneshot_kwargs) -> tuple[float, int]:
+    """Run ``oneshot`` (``oneshot_kwargs``: ``pipeline``, …); returns (wall seconds, peak
+    extra memory in bytes)."""
     from whisper_modifiers.methods import run_oneshot
 
     with PeakMemory() as memory:
         start = time.perf_counter()
-        run_oneshot(model, tokenizer, dataset, recipe)
+        run_oneshot(model, tokenizer, dataset, recipe, **oneshot_kwargs)
         seconds = time.perf_counter() - start
     return seconds, memory.bytes
 

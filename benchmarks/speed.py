@@ -6,6 +6,7 @@ baseline, measured in one run on the same model and calibration set.
     python benchmarks/speed.py --pairs centered --out benchmarks/results/centered
     python benchmarks/speed.py --pairs auto --out benchmarks/results/gamma_auto   # gamma: auto
     python benchmarks/speed.py --pairs auto --only whisper:gamma=auto --repeats 2
+    python benchmarks/speed.py --pairs pipeline --out benchmarks/results/pipeline
     python benchmarks/speed.py --random-layers 2 --num-sequences 128 --seq-len 4096 \
         --offload-devices cuda cpu --batch-sizes 1 4     # Llama-2-7B-shaped, random weights
 
@@ -15,8 +16,9 @@ at each of ``--batch-sizes`` and reports the time and the mask agreement against
 
 ``--random-layers L`` measures a Llama-2-7B-shaped decoder of ``L`` layers with random
 weights (bfloat16 where CUDA is, else float32; ``--hidden``/``--intermediate`` shrink it
-for a smoke run) on random tokens, for each method × activation-cache device × batch size,
-and reports seconds per layer against issue #13's per-layer targets (the paper's H100 times
+for a smoke run) on random tokens, for each method × ``--pipelines`` (llmcompressor's
+``sequential`` and our ``whisper_layerwise``) × activation-cache device × batch size, and
+reports seconds per layer against issue #13's per-layer targets (the paper's H100 times
 per Llama-2-7B layer). Writes ``speed_random.md`` and ``speed_random.json``.
 
 Every measurement runs in a fresh process (so peak memory is not hidden by memory the
@@ -28,11 +30,14 @@ are derived from the sums the baseline keeps plus per-sequence means. ``--pairs 
 holds ``gamma: auto`` to issue 14's <= 1.5x the same method at a fixed gamma (its memory
 is reported against the same 1.1x, which it is not designed to meet: it keeps the
 held-out sequences' inputs and a copy of the layer's difference statistics).
+``--pairs pipeline`` times each main method under ``whisper_layerwise`` against the same
+method under oneshot's default pipeline (issue 24: no slower, ratio <= 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import statistics
 import sys
@@ -54,7 +59,9 @@ from common import (  # noqa: E402
     write_json,
 )
 
-# (baseline, method or "method:option=value" variant, time target)
+PIPELINE = "whisper_layerwise"
+# (baseline, method or "method:option=value" variant, time target); "variant@pipeline"
+# runs oneshot with that calibration pipeline
 PAIRS = {
     "main": [("wanda", "wisp", 1.02), ("wanda", "wisp_plus", 1.5),
              ("sparsegpt", "whisper", 1.03)],
@@ -67,6 +74,9 @@ PAIRS = {
     # gamma: auto's cost against the same method at a fixed gamma (issue 14: <= 1.5x)
     "auto": [("whisper", "whisper:gamma=auto", 1.5), ("wisp", "wisp:gamma=auto", 1.5),
              ("wisp_plus", "wisp_plus:gamma=auto", 1.5)],
+    # issue 24: our layer-by-layer pipeline against llmcompressor's default (no slower)
+    "pipeline": [(m, f"{m}@{PIPELINE}", 1.0) for m in
+                 ("wanda", "wisp", "wisp_plus", "sparsegpt", "whisper")],
 }  # fmt: skip
 MEMORY_TARGET = 1.1
 
@@ -78,13 +88,28 @@ def measure(model_name, variant, structure, num_sequences, seq_len, queue):
     spec = model_specs()[model_name]
     model, tokenizer = load(spec)
     dataset = calibration_set(spec, tokenizer, 0, num_sequences, seq_len)
+    variant, _, pipeline = variant.partition("@")
     method, options = parse_variant(variant)
     recipe = build_recipe(method, 0.5, structure, 0, **options)
-    seconds, peak = prune(model, tokenizer, dataset, recipe)
-    queue.put((seconds, peak))
+    seconds, peak = prune(model, tokenizer, dataset, recipe,
+                          **({"pipeline": pipeline} if pipeline else {}))  # fmt: skip
+    queue.put((seconds, peak, weights_digest(model)))
 
 
-def run_one(model_name, variant, args) -> tuple[float, int]:
+def weights_digest(model) -> str:
+    """SHA-256 of the model's Linear weights, in module order: equal digests, equal bits."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            digest.update(module.weight.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_one(model_name, variant, args) -> tuple[float, int, str]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     process = context.Process(
@@ -140,7 +165,7 @@ def stand_in_tokenizer():
     )
 
 
-def measure_random(args, method, offload_device, batch_size) -> dict:
+def measure_random(args, method, offload_device, batch_size, pipeline) -> dict:
     import gc
 
     import torch
@@ -157,13 +182,14 @@ def measure_random(args, method, offload_device, batch_size) -> dict:
     with PeakMemory() as memory:
         start = time.perf_counter()
         run_oneshot(model, stand_in_tokenizer(), dataset, recipe, batch_size=batch_size,
-                    sequential_offload_device=offload_device)  # fmt: skip
+                    sequential_offload_device=offload_device, pipeline=pipeline)  # fmt: skip
         seconds = time.perf_counter() - start
     del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"method": method, "offload_device": offload_device, "batch_size": batch_size,
+    return {"method": method, "pipeline": pipeline, "offload_device": offload_device,
+            "batch_size": batch_size,
             "seconds": seconds, "seconds_per_layer": seconds / args.random_layers,
             "layer_target": LAYER_TARGETS.get(method) if seven_b_shaped(args) else None,
             "peak_bytes": memory.bytes}  # fmt: skip
@@ -175,10 +201,10 @@ def main_random(args) -> int:
     rows = []
     for offload_device in args.offload_devices:
         for batch_size in args.batch_sizes:
-            for method in args.methods:
-                row = measure_random(args, method, offload_device, batch_size)
+            for method, pipeline in itertools.product(args.methods, args.pipelines):
+                row = measure_random(args, method, offload_device, batch_size, pipeline)
                 rows.append(row)
-                print(f"{method:<14} cache {offload_device:<5} batch {batch_size}: "
+                print(f"{method:<14} {pipeline:<17} cache {offload_device:<5} batch {batch_size}: "
                       f"{row['seconds']:7.2f} s ({row['seconds_per_layer']:.2f} s/layer), "
                       f"peak +{row['peak_bytes'] / 2**30:.1f} GiB", flush=True)  # fmt: skip
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -199,15 +225,16 @@ def write_random_tables(out: Path, payload: dict) -> None:
         f"tokens, mask {config['structure']}, one run each. Peak memory is above the level at "
         "the start (CUDA: allocated).",
         "",
-        "| method | activation cache | batch | time (s) | s / layer | target s / layer "
-        "| peak extra memory (GiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| method | pipeline | activation cache | batch | time (s) | s / layer "
+        "| target s / layer | peak extra memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         target = r["layer_target"]
         mark = "" if target is None else ("✓" if r["seconds_per_layer"] <= target else "✗")
         lines.append(
-            f"| {r['method']} | {r['offload_device']} | {r['batch_size']} | {r['seconds']:.1f} | "
+            f"| {r['method']} | {r['pipeline']} | {r['offload_device']} | {r['batch_size']} | "
+            f"{r['seconds']:.1f} | "
             f"{r['seconds_per_layer']:.2f} | {'-' if target is None else f'≤ {target} {mark}'} | "
             f"{r['peak_bytes'] / 2**30:.1f} |"
         )
@@ -288,6 +315,8 @@ def main(argv=None) -> int:
                         "sparsegpt", "whisper"], choices=list(LAYER_TARGETS))  # fmt: skip
     parser.add_argument("--offload-devices", nargs="+", default=["cuda"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    parser.add_argument("--pipelines", nargs="+", default=["sequential", PIPELINE],
+                        help="calibration pipelines --random-layers compares")  # fmt: skip
     parser.add_argument(
         "--batch-effect",
         action="store_true",
@@ -317,13 +346,15 @@ def main(argv=None) -> int:
     for model_name in args.models:
         times: dict[str, list[float]] = {}
         peaks: dict[str, list[int]] = {}
+        digests: dict[str, set[str]] = {}  # weights_digest of every run
         for rep in range(args.repeats):
             order = [m for pair in pairs for m in pair[:2]]
             order = list(dict.fromkeys(order if rep % 2 == 0 else order[::-1]))
             for method in order:
-                seconds, peak = run_one(model_name, method, args)
+                seconds, peak, digest = run_one(model_name, method, args)
                 times.setdefault(method, []).append(seconds)
                 peaks.setdefault(method, []).append(peak)
+                digests.setdefault(method, set()).add(digest)
                 print(f"[{model_name}] rep {rep} {method:<24} {seconds:7.2f} s  "
                       f"peak +{peak / 2**20:7.1f} MiB", flush=True)  # fmt: skip
         rows = []
@@ -338,6 +369,7 @@ def main(argv=None) -> int:
                 "baseline_peak_bytes": statistics.median(peaks[baseline]),
                 "method_peak_bytes": statistics.median(peaks[method]),
                 "memory_ratio": m_ratio, "memory_target": MEMORY_TARGET,
+                "same_weights": len(digests[method] | digests[baseline]) == 1,
             })  # fmt: skip
         report["models"][model_name] = {"times": times, "peaks": peaks, "ratios": rows}
         lines += [
@@ -345,8 +377,8 @@ def main(argv=None) -> int:
             f"## {model_name}",
             "",
             "| method / baseline | time (s) | time ratio | target | peak extra memory (MiB) "
-            "| memory ratio | target |",
-            "|---|---|---|---|---|---|---|",
+            "| memory ratio | target | same weights, every run |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
@@ -355,7 +387,8 @@ def main(argv=None) -> int:
                 f"≤ {r['time_target']}× {'✓' if r['time_ratio'] <= r['time_target'] else '✗'} | "
                 f"{r['method_peak_bytes'] / 2**20:.0f} / {r['baseline_peak_bytes'] / 2**20:.0f} | "
                 f"**{r['memory_ratio']:.3f}×** | ≤ {MEMORY_TARGET}× "
-                f"{'✓' if r['memory_ratio'] <= MEMORY_TARGET else '✗'} |"
+                f"{'✓' if r['memory_ratio'] <= MEMORY_TARGET else '✗'} | "
+                f"{'yes' if r['same_weights'] else 'no'} |"
             )
     write_json(args.out / "speed.json", report)
     (args.out / "speed.md").write_text("\n".join(lines) + "\n")

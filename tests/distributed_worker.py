@@ -1,7 +1,7 @@
 """Prune stories260K with several methods through ``run_oneshot``, in one process or under
 ``torchrun``; rank 0 saves the masks, the pairs every rank drew and the perplexities.
 
-    python tests/distributed_worker.py OUT [--batch-size 4]
+    python tests/distributed_worker.py OUT [--batch-size 4] [--pipeline whisper_layerwise]
     torchrun --nproc_per_node 2 tests/distributed_worker.py OUT
 
 ``WHISPER_MODIFIERS_FAIL_RANK=R`` makes rank R raise during calibration (the test that a
@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-sequences", type=int, default=16)
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--pipeline", help="oneshot's calibration pipeline (default: its own)")
+    parser.add_argument("--attention", default="eager", help="the model's attn_implementation")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,11 +66,14 @@ def main() -> int:
     for method in args.methods:
         for label, sparsity, structure in SPARSITIES:
             pairs.clear()
-            model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                MODEL_DIR, dtype=torch.float32, attn_implementation=args.attention
+            )
             name, _, gamma = method.partition(":gamma=")
             options = {"gamma": gamma} if gamma else {}
             recipe = build_recipe(name, sparsity, structure, seed=0, **options)
-            run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size)
+            pipeline = {"pipeline": args.pipeline} if args.pipeline else {}
+            run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size, **pipeline)
             everyone = [None] * distributed.world_size()
             if distributed.is_distributed():
                 dist.all_gather_object(everyone, pairs)

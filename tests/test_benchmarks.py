@@ -144,10 +144,26 @@ def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
             "--out", str(tmp_path)]  # fmt: skip
     assert speed.main(argv) == 0
     rows = json.loads((tmp_path / "speed_random.json").read_text())["rows"]
-    assert [(r["method"], r["batch_size"]) for r in rows] == [
-        ("wisp", 1), ("sparsegpt", 1), ("wisp", 2), ("sparsegpt", 2)]  # fmt: skip
+    pipelines = ["sequential", "whisper_layerwise"]  # both by default (issue 24)
+    assert [(r["method"], r["pipeline"], r["batch_size"]) for r in rows] == [
+        (method, pipeline, batch) for batch in (1, 2) for method in ("wisp", "sparsegpt")
+        for pipeline in pipelines]  # fmt: skip
     assert all(r["seconds"] > 0 and r["layer_target"] is None for r in rows)  # not 7B-shaped
-    assert "| wisp | cpu | 2 |" in (tmp_path / "speed_random.md").read_text()
+    assert "| wisp | whisper_layerwise | cpu | 2 |" in (tmp_path / "speed_random.md").read_text()
+
+
+def test_speed_benchmark_times_the_pipelines_and_compares_their_weights(tmp_path):
+    import speed
+
+    argv = ["--models", "stories260K", "--pairs", "pipeline", "--repeats", "1", "--only",
+            "wanda@whisper_layerwise", "--num-sequences", "4", "--seq-len", "64",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert speed.main(argv) == 0
+    (row,) = json.loads((tmp_path / "speed.json").read_text())["models"]["stories260K"]["ratios"]
+    assert (row["baseline"], row["method"], row["time_target"]) == (
+        "wanda", "wanda@whisper_layerwise", 1.0)  # fmt: skip
+    assert row["same_weights"] is True  # eager attention on a CPU: llmcompressor's bits
+    assert "| wanda@whisper_layerwise / wanda |" in (tmp_path / "speed.md").read_text()
 
 
 def test_speed_benchmark_batch_effect(tmp_path):

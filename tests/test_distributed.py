@@ -1,7 +1,10 @@
-"""Distributed calibration (torchrun, gloo, CPU), batch-size independence and run-to-run
-determinism, on stories260K: the statistics are float64 sums of per-sequence terms
-(``statistics.add_sequence_*``), so masks and weights are the same bits however the
-sequences are batched or split over ranks, on any CPU."""
+"""Distributed calibration (torchrun, gloo, CPU), batch-size independence, run-to-run
+determinism and the ``whisper_layerwise`` pipeline, on stories260K: the statistics are
+float64 sums of per-sequence terms (``statistics.add_sequence_*``), so masks and weights
+are the same bits however the sequences are batched or split over ranks, on any CPU; and
+with the model's eager attention, ``whisper_layerwise`` runs the very operations of
+llmcompressor's sequential pipeline (worker models are loaded with eager attention unless
+``--attention`` says otherwise)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from distributed_worker import METHODS
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+LAYERWISE = ["--pipeline", "whisper_layerwise"]
+SDPA = ["--attention", "sdpa"]
 
 
 def run(command, timeout=600, **env):
@@ -34,10 +39,15 @@ def runs(tmp_path_factory):
         "one": [sys.executable, str(WORKER), str(root / "one.pt")],
         "batch4": [sys.executable, str(WORKER), str(root / "batch4.pt"), "--batch-size", "4"],
         "two": [*TORCHRUN, str(WORKER), str(root / "two.pt")],
-    }
+        "layerwise": [sys.executable, str(WORKER), str(root / "layerwise.pt"), *LAYERWISE],
+        "layerwise_two": [*TORCHRUN, str(WORKER), str(root / "layerwise_two.pt"), *LAYERWISE],
+        "sdpa": [sys.executable, str(WORKER), str(root / "sdpa.pt"), *LAYERWISE, *SDPA],
+        "sdpa_two": [*TORCHRUN, str(WORKER), str(root / "sdpa_two.pt"), *LAYERWISE, *SDPA],
+    }  # fmt: skip
     results = {}
     for name, command in commands.items():
-        done = run(command)
+        # the model's SDPA on a CPU too (layerwise_pipeline.attention_implementation)
+        done = run(command, WHISPER_LAYERWISE_ATTENTION="model" if SDPA[1] in command else "auto")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         results[name] = torch.load(root / f"{name}.pt", weights_only=False)
     return results
@@ -48,16 +58,19 @@ def agreement(a: dict, b: dict) -> float:
     return same / sum(mask.numel() for mask in a.values())
 
 
-def compare(reference: dict, other: dict) -> None:
+def compare(reference: dict, other: dict, masks: float = 1.0, perplexity: float = 0.0) -> None:
+    """Pairs and gamma choices equal; masks agree on at least ``masks``; perplexity within
+    ``perplexity`` relative (equal by default: the same weights)."""
     assert reference.keys() == other.keys() and len(reference) == 2 * len(METHODS)
     for key, expected in reference.items():
         got = other[key]
         assert expected["pairs"].keys() == got["pairs"].keys(), key
         assert all(torch.equal(expected["pairs"][k], got["pairs"][k]) for k in expected["pairs"])
         share = agreement(expected["masks"], got["masks"])
-        print(f"{key}: masks agree on {share:.6%}")
-        assert share == 1.0, key
-        assert got["perplexity"] == expected["perplexity"], key  # the same weights
+        change = got["perplexity"] / expected["perplexity"] - 1
+        print(f"{key}: masks agree on {share:.6%}, perplexity {change:+.5%}")
+        assert share >= masks, key
+        assert abs(change) <= perplexity, key
         assert got["gamma"] == expected["gamma"], key  # gamma: auto's choices
         assert bool(got["gamma"]) == ("gamma=auto" in key), key
 
@@ -76,21 +89,44 @@ def test_batch_size_changes_neither_pairs_nor_masks(runs):
     compare(runs["one"]["results"], runs["batch4"]["results"])
 
 
+def test_layerwise_pipeline_is_the_sequential_pipeline_bit_for_bit(runs):
+    """``whisper_layerwise`` with eager attention: the same pairs, gamma choices, masks and
+    weights as llmcompressor's sequential pipeline, in one process and on two ranks."""
+    compare(runs["one"]["results"], runs["layerwise"]["results"])
+    compare(runs["one"]["results"], runs["layerwise_two"]["results"])
+    assert runs["layerwise_two"]["world_size"] == 2
+
+
+def test_layerwise_pipeline_with_sdpa_splits_over_ranks_bit_for_bit(runs):
+    """With the model's SDPA attention (what a GPU runs) one process and two ranks give the
+    same bits, and the same pairs as the sequential pipeline. Against the sequential
+    pipeline's eager attention the layer outputs differ in rounding, which moves masks
+    where candidates nearly tie (stories260K: 1.1 % of Whisper's 2:4 mask, none of the
+    other methods here; ``docs/gpu.md``)."""
+    compare(runs["sdpa"]["results"], runs["sdpa_two"]["results"])
+    for key, expected in runs["one"]["results"].items():
+        got = runs["sdpa"]["results"][key]["pairs"]
+        assert expected["pairs"].keys() == got.keys(), key
+        assert all(torch.equal(expected["pairs"][k], got[k]) for k in got), key
+
+
 def test_same_seed_same_masks_run_to_run_for_every_method(tmp_path):
-    """Two fresh processes, every method of ``methods.METHODS`` at 2:4 and 50 %."""
+    """Two fresh processes, every method of ``methods.METHODS`` at 2:4 and 50 %; a third
+    under ``whisper_layerwise`` (eager attention) gives the same bits too."""
     from whisper_modifiers.methods import METHODS as ALL_METHODS
 
     results = []
-    for name in ("first", "second"):
+    for name, pipeline in (("first", []), ("second", []), ("layerwise", LAYERWISE)):
         done = run([sys.executable, str(WORKER), str(tmp_path / f"{name}.pt"), "--methods",
-                    *ALL_METHODS, "--num-sequences", "8"])  # fmt: skip
+                    *ALL_METHODS, "--num-sequences", "8", *pipeline])  # fmt: skip
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         results.append(torch.load(tmp_path / f"{name}.pt", weights_only=False)["results"])
-    first, second = results
-    assert first.keys() == second.keys() and len(first) == 2 * len(ALL_METHODS)
-    for key in first:
-        assert agreement(first[key]["masks"], second[key]["masks"]) == 1.0, key
-        assert first[key]["perplexity"] == second[key]["perplexity"], key
+    first = results[0]
+    for other in results[1:]:
+        assert first.keys() == other.keys() and len(first) == 2 * len(ALL_METHODS)
+        for key in first:
+            assert agreement(first[key]["masks"], other[key]["masks"]) == 1.0, key
+            assert first[key]["perplexity"] == other[key]["perplexity"], key
 
 
 def test_a_failing_rank_stops_the_run_with_its_error(tmp_path):

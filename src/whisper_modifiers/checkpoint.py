@@ -162,6 +162,15 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
             "stopped, or is still running); it is not a checkpoint"
         )
     config = read_config(directory)
+    _check_not_legacy(directory, config)
+    _check_files_present(directory)
+    if is_sparse24_checkpoint(config):  # every stored 2:4 layer, before anything loads it
+        verify_compressed_layers(weight_files(directory))
+    return config
+
+
+def _check_not_legacy(directory: Path, config: dict) -> None:
+    """Refuse a legacy sparse format this package cannot read, with the way to convert."""
     sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
     if sparsity.get("format") in LEGACY_SPARSE_FORMATS and not is_sparse24_checkpoint(config):
         raise ValueError(
@@ -174,6 +183,10 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
             "then load it with transformers (which decompresses it) and save_pretrained() it "
             "again, or re-run the recipe on the original model with this package."
         )
+
+
+def _check_files_present(directory: Path) -> None:
+    """Every weight shard, a tokenizer, and whisper-prune's record beside its report."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         shards = set(json.loads(index.read_text())["weight_map"].values())
@@ -197,9 +210,6 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
             f"{directory} is incomplete: whisper-prune wrote it ({REPORT_FILE}) but its "
             f"{RECORD_FILE} is missing"
         )
-    if is_sparse24_checkpoint(config):  # every stored 2:4 layer, before anything loads it
-        verify_compressed_layers(weight_files(directory))
-    return config
 
 
 def is_unfinished_output(directory: str | Path) -> bool:

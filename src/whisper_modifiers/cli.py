@@ -35,7 +35,7 @@ from whisper_modifiers import checkpoint, evaluation, methods
 from whisper_modifiers.checkpoint import REPORT_FILE
 from whisper_modifiers.data import load_corpus, sequence_dataset
 from whisper_modifiers.models import resolve_model
-from whisper_modifiers.modifiers import distributed
+from whisper_modifiers.modifiers import PIPELINE_NAME, distributed
 from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
 from whisper_modifiers.output_dir import (
     OutputDirError,
@@ -99,6 +99,7 @@ class Plan:
     writer: bool  # rank 0: evaluates and writes
     batch_size: int | str
     offload_device: str
+    pipeline: str  # PIPELINE_NAME or "sequential"
     recipe: Path  # readable and non-empty; parsed by check_inputs
     modifiers: list = field(default_factory=list)
     layout: str = "dense"
@@ -180,6 +181,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="calibration sequences per forward: a number, or 'auto' (default: 1, so that "
         "masks never depend on the machine; larger batches change the forward's rounding)",
     )
+    parser.add_argument(
+        "--pipeline",
+        choices=("auto", PIPELINE_NAME, "sequential"),
+        default="auto",
+        help=f"calibration pipeline: '{PIPELINE_NAME}' (this package's, decoder layer by "
+        "decoder layer with SDPA attention on a GPU), 'sequential' (oneshot's default: "
+        f"llmcompressor's sequential pipeline) or 'auto' (default: {PIPELINE_NAME} where "
+        "CUDA is, else sequential)",
+    )
     return parser.parse_args(argv)
 
 
@@ -203,6 +213,10 @@ def _check_flags(args: argparse.Namespace) -> Plan:
     recipe = resolve_recipe(args.recipe)  # a missing or empty recipe, before other work
     batch_size = check_batch_size(args.batch_size)
     offload_device = check_offload_device(args.offload_device)
+    try:
+        pipeline = methods.calibration_pipeline(args.pipeline)
+    except ValueError as error:  # $WHISPER_LAYERWISE_ATTENTION
+        raise UsageError(f"--pipeline {args.pipeline}: {error}") from error
     distributed.init_from_torchrun()  # under torchrun: join the process group
     if args.num_sequences < distributed.world_size():
         raise UsageError(
@@ -224,7 +238,7 @@ def _check_flags(args: argparse.Namespace) -> Plan:
     config = model_config(model_id)
     check_positions(config, **{"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
     return Plan(args, started, model_id, config, output_dir, inputs, distributed.rank() == 0,
-                batch_size, offload_device, recipe)  # fmt: skip
+                batch_size, offload_device, pipeline, recipe)  # fmt: skip
 
 
 def _tokenize_texts(plan: Plan) -> None:
@@ -287,13 +301,16 @@ def prune_and_save(plan: Plan) -> dict:
     offload_device, batch_size = methods.calibration_settings(
         model, plan.args.num_sequences, plan.args.seq_len, plan.offload_device, plan.batch_size
     )
-    report["calibration"].update(batch_size=batch_size, offload_device=offload_device)
-    logger.info(f"calibration batch size {batch_size}, activation cache on {offload_device}")
+    report["calibration"].update(batch_size=batch_size, offload_device=offload_device,
+                                 pipeline=plan.pipeline)  # fmt: skip
+    logger.info(f"calibration pipeline {plan.pipeline}, batch size {batch_size}, activation "
+                f"cache on {offload_device}")  # fmt: skip
+    ours = {"pipeline": PIPELINE_NAME} if plan.pipeline == PIPELINE_NAME else {}
     start = time.perf_counter()
     try:
         methods.run_oneshot(model, plan.tokenizer, sequence_dataset(plan.sequences),
                             plan.modifiers, batch_size=batch_size,
-                            sequential_offload_device=offload_device)  # fmt: skip
+                            sequential_offload_device=offload_device, **ours)  # fmt: skip
     except NonFiniteError as error:
         raise PruningFailed(f"pruning stopped: {error}") from error
     report["pruning_seconds"] = time.perf_counter() - start

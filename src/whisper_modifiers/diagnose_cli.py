@@ -82,14 +82,12 @@ def resolve_module(config, name: str | None) -> str:
     return name
 
 
-def run(args) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from whisper_modifiers import diagnostics as d
+def check_inputs(args) -> tuple[str, str, Path, str]:
+    """Before any work: the model, the module's full name, the output directory (the rules
+    of whisper-prune's --output-dir) and the calibration text; a bad one raises
+    ``UsageError`` naming its flag."""
     from whisper_modifiers.data import load_corpus
     from whisper_modifiers.models import resolve_model
-    from whisper_modifiers.statistics import mapping_difficulty
 
     try:
         model_id = resolve_model(args.model)
@@ -97,13 +95,24 @@ def run(args) -> dict:
         raise UsageError(f"--model: {error}") from error
     name = resolve_module(model_config(model_id), args.module)
     inputs_on_disk = [p for p in (model_id, args.calibration) if Path(p).exists()]
-    try:  # the rules of whisper-prune's --output-dir, before any work
+    try:
         out = check_output_dir(args.out, inputs_on_disk, args.overwrite, flag="--out",
                                marker=REPORT, program="whisper-diagnose",
                                output=f"{REPORT} of an earlier whisper-diagnose")  # fmt: skip
     except OutputDirError as error:
         raise UsageError(str(error)) from error
     text = read_text("--calibration", args.calibration, lambda s: load_corpus(s, "train"))
+    return model_id, name, out, text
+
+
+def run(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from whisper_modifiers import diagnostics as d
+    from whisper_modifiers.statistics import mapping_difficulty
+
+    model_id, name, out, text = check_inputs(args)
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     sequences = calibration_sequences(tokenizer, text, args.calibration, args.num_sequences,
                                       args.seq_len, args.seed)  # fmt: skip

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
 
-from whisper_modifiers.modifiers import REGISTRY, distributed
+from whisper_modifiers.modifiers import PIPELINE_NAME, REGISTRY, distributed
+from whisper_modifiers.modifiers.layerwise_pipeline import check_attention_variable
 from whisper_modifiers.modifiers.sequence_sums import sequence_sum_baseline
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "MAIN_METHODS",
     "METHODS",
     "build_recipe",
+    "calibration_pipeline",
     "calibration_settings",
     "gamma_selection",
     "run_oneshot",
@@ -114,3 +116,19 @@ def calibration_settings(model, num_sequences: int, seq_len: int, offload_device
         cache = 2 * num_sequences * seq_len * config.hidden_size * itemsize
         offload_device = "cuda" if free and cache <= 0.4 * free else "cpu"
     return offload_device, 1 if batch_size == "auto" else int(batch_size)
+
+
+def calibration_pipeline(choice: str = "auto") -> str:
+    """``"whisper_layerwise"`` (``layerwise_pipeline``) or ``"sequential"`` (oneshot's
+    default, each modifier through llmcompressor's sequential pipeline); ``auto``: ours
+    where CUDA is, where its SDPA attention and direct layer calls pay off. Checks
+    ``$WHISPER_LAYERWISE_ATTENTION`` when ours is chosen."""
+    import torch
+
+    if choice not in ("auto", PIPELINE_NAME, "sequential"):
+        raise ValueError(f"pipeline must be auto, {PIPELINE_NAME} or sequential; got {choice!r}")
+    if choice == "auto":
+        choice = PIPELINE_NAME if torch.cuda.is_available() else "sequential"
+    if choice == PIPELINE_NAME:
+        check_attention_variable()
+    return choice

@@ -98,20 +98,32 @@ def check_output_dir(
                 "would destroy that input: choose another directory"
             )
     if target.exists() or target.is_symlink():
-        if not target.is_dir():
-            raise OutputDirError(f"{flag} {target} exists and is not a directory")
-        entries = list(target.iterdir())
-        if entries and not (target / marker).is_file():
-            raise OutputDirError(
-                f"{flag} {target} is not empty and was not written by {program} "
-                f"(it holds {_describe(entries)}); it is never replaced, even with "
-                "--overwrite: choose a new or empty directory"
-            )
-        if entries and not overwrite:
-            raise OutputDirError(
-                f"{flag} {target} already holds {output}; choose another directory or pass "
-                "--overwrite to replace it"
-            )
+        _check_replaceable(target, overwrite, flag, marker, program, output)
+    _check_writable(target, flag)
+    return target
+
+
+def _check_replaceable(target: Path, overwrite, flag, marker, program, output) -> None:
+    """An existing ``target`` may be reused if empty, or replaced with ``overwrite`` if
+    ``program`` wrote it (``check_output_dir``'s parameters)."""
+    if not target.is_dir():
+        raise OutputDirError(f"{flag} {target} exists and is not a directory")
+    entries = list(target.iterdir())
+    if entries and not (target / marker).is_file():
+        raise OutputDirError(
+            f"{flag} {target} is not empty and was not written by {program} "
+            f"(it holds {_describe(entries)}); it is never replaced, even with "
+            "--overwrite: choose a new or empty directory"
+        )
+    if entries and not overwrite:
+        raise OutputDirError(
+            f"{flag} {target} already holds {output}; choose another directory or pass "
+            "--overwrite to replace it"
+        )
+
+
+def _check_writable(target: Path, flag: str) -> None:
+    """The nearest existing ancestor of ``target`` is a directory we may write in."""
     ancestor = target.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -119,7 +131,6 @@ def check_output_dir(
         raise OutputDirError(f"{flag} {target} lies under {ancestor}, which is a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputDirError(f"{flag} {target}: cannot write in {ancestor} (permission denied)")
-    return target
 
 
 def _lock_is_free(directory: Path) -> bool:

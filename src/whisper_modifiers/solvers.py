@@ -123,11 +123,7 @@ class ALPSResult:
 def _project(values: torch.Tensor, keep: int, prune_n: int, prune_m: int) -> torch.Tensor:
     """Euclidean projection onto the sparsity set: the mask of entries kept."""
     if prune_n:
-        rows, columns = values.shape
-        groups = values.abs().reshape(rows, columns // prune_m, prune_m)
-        mask = torch.ones_like(groups, dtype=torch.bool)
-        mask.scatter_(-1, groups.topk(prune_n, dim=-1, largest=False).indices, False)
-        return mask.reshape(rows, columns)
+        return ~prune_mask(values.abs(), 0.0, prune_n, prune_m)
     mask = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
     mask[values.abs().reshape(-1).topk(keep).indices] = True
     return mask.reshape(values.shape)

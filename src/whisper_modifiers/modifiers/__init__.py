@@ -1,4 +1,5 @@
 from whisper_modifiers.modifiers.base import DEFAULT_DIFFERENCE_TARGETS, DifferencePruningBase
+from whisper_modifiers.modifiers.layerwise_pipeline import PIPELINE_NAME, LayerwisePipeline
 from whisper_modifiers.modifiers.magnitude import OneShotMagnitudeModifier
 from whisper_modifiers.modifiers.masked_gptq import MaskedGPTQModifier
 from whisper_modifiers.modifiers.validation import check_mask_kept
@@ -34,10 +35,12 @@ MODIFIERS = (*REGISTRY.values(), MaskedGPTQModifier)
 __all__ = [
     "DEFAULT_DIFFERENCE_TARGETS",
     "MODIFIERS",
+    "PIPELINE_NAME",
     "REGISTRY",
     "ALPSModifier",
     "ALPSWhisperModifier",
     "DifferencePruningBase",
+    "LayerwisePipeline",
     "MaskedGPTQModifier",
     "OneShotMagnitudeModifier",
     "RIAModifier",
