@@ -183,7 +183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--pipeline",
-        choices=("auto", PIPELINE_NAME, "sequential"),
+        choices=methods.PIPELINE_CHOICES,
         default="auto",
         help=f"calibration pipeline: '{PIPELINE_NAME}' (this package's, decoder layer by "
         "decoder layer with SDPA attention on a GPU), 'sequential' (oneshot's default: "

@@ -18,6 +18,7 @@ __all__ = [
     "COMPOSITE_METHODS",
     "MAIN_METHODS",
     "METHODS",
+    "PIPELINE_CHOICES",
     "build_recipe",
     "calibration_pipeline",
     "calibration_settings",
@@ -30,6 +31,7 @@ COMPOSITE_METHODS = ("ria", "ria_wisp", "ria_wisp_plus", "alps", "alps_whisper")
 _STOCK_METHODS = {"wanda": WandaPruningModifier, "sparsegpt": SparseGPTModifier}
 METHODS = {name: _STOCK_METHODS.get(name) or REGISTRY[name]
            for name in MAIN_METHODS + COMPOSITE_METHODS}  # fmt: skip
+PIPELINE_CHOICES = ("auto", PIPELINE_NAME, "sequential")  # calibration_pipeline's
 BASELINE_OF = {
     "wisp": "wanda",
     "wisp_plus": "wanda",
@@ -125,8 +127,8 @@ def calibration_pipeline(choice: str = "auto") -> str:
     ``$WHISPER_LAYERWISE_ATTENTION`` when ours is chosen."""
     import torch
 
-    if choice not in ("auto", PIPELINE_NAME, "sequential"):
-        raise ValueError(f"pipeline must be auto, {PIPELINE_NAME} or sequential; got {choice!r}")
+    if choice not in PIPELINE_CHOICES:
+        raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_CHOICES)}; got {choice!r}")
     if choice == "auto":
         choice = PIPELINE_NAME if torch.cuda.is_available() else "sequential"
     if choice == PIPELINE_NAME:
