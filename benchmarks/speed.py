@@ -59,7 +59,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
-PIPELINE = "whisper_layerwise"
+from whisper_modifiers.modifiers import PIPELINE_NAME as PIPELINE  # noqa: E402
+
 # (baseline, method or "method:option=value" variant, time target); "variant@pipeline"
 # runs oneshot with that calibration pipeline
 PAIRS = {

@@ -134,13 +134,8 @@ def chain_fault(model: torch.nn.Module, layers: list, batch: dict) -> str | None
     (or ``hidden_states``). Checked on one batch, before any modifier hook exists."""
     if not layers:
         return "no decoder layers found (set sequential_targets)"
-    calls = []
     with _calibration_context(model), HooksMixin.disable_hooks():
-        try:
-            with recording_layers(layers, calls):
-                model(**batch)
-        except _StopForward:
-            pass
+        calls = _recorded_calls(model, layers, batch)
     order = [index for index, _, _ in calls]
     if order != list(range(len(layers))):
         return f"the forward called its {len(layers)} layers in the order {order[:8]}"
@@ -157,7 +152,6 @@ def recording_layers(layers: list, calls: list, replay=None):
 
     def recorder(index):
         def forward(*args, **kwargs):
-            kwargs = dict(kwargs)
             hidden = args[0] if args else kwargs.pop("hidden_states", None)
             calls.append((index, hidden, (args[1:], kwargs)))
             if replay is not None:
@@ -174,6 +168,18 @@ def recording_layers(layers: list, calls: list, replay=None):
         yield
 
 
+def _recorded_calls(model, layers: list, batch: dict) -> list:
+    """``recording_layers``' calls of one forward of ``model`` on ``batch``, which stops
+    at the last layer."""
+    calls = []
+    try:
+        with recording_layers(layers, calls):
+            model(**batch)
+    except _StopForward:
+        pass
+    return calls
+
+
 def _record_inputs(model, layers, dataloader, device, dataset_args, keep):
     """The recording pass over every batch: the first layer's input and each layer's
     other arguments, cached per batch; hooks outside the layers (``keep``) fire. Returns
@@ -183,12 +189,9 @@ def _record_inputs(model, layers, dataloader, device, dataset_args, keep):
     track = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, _: called.add(m))
     try:
         for batch in tqdm(dataloader, desc=f"{PIPELINE_NAME}: recording layer inputs"):
-            batch, calls = _to_device(batch, device), []
-            with recording_layers(layers, calls), HooksMixin.disable_hooks(keep=keep):
-                try:
-                    model(**batch)
-                except _StopForward:
-                    pass
+            batch = _to_device(batch, device)
+            with HooksMixin.disable_hooks(keep=keep):
+                calls = _recorded_calls(model, layers, batch)
             if len(calls) != len(layers):
                 raise RuntimeError(f"{PIPELINE_NAME}: a batch reached {len(calls)} of the "
                                    f"{len(layers)} decoder layers")  # fmt: skip
@@ -207,10 +210,10 @@ def _calibrate_layers(model, layers, cache, dataset_args, tail, owners):
     session = active_session()
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
-        desc = f"({index + 1}/{len(layers)}): Calibrating"
+        step = f"({index + 1}/{len(layers)}):"
         with disable_offloading():
             keep_outputs = (not dataset_args.propagate_error and not last) or (last and tail)
-            for batch_index in tqdm(range(len(cache)), desc=desc):
+            for batch_index in tqdm(range(len(cache)), desc=f"{step} Calibrating"):
                 session.state.current_batch_idx = batch_index
                 output = _run_layer(layer, index, cache, batch_index)
                 if keep_outputs:
@@ -221,7 +224,7 @@ def _calibrate_layers(model, layers, cache, dataset_args, tail, owners):
             LifecycleCallbacks.sequential_epoch_end(modules)
             if dataset_args.propagate_error and not last:
                 with HooksMixin.disable_hooks():
-                    for batch_index in tqdm(range(len(cache)), desc=desc[:-11] + "Propagating"):
+                    for batch_index in tqdm(range(len(cache)), desc=f"{step} Propagating"):
                         output = _run_layer(layer, index, cache, batch_index)
                         cache.update(batch_index, {"hidden": output})
         for batch_index in range(len(cache)):
