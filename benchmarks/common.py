@@ -218,7 +218,8 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                     model = on_evaluation_device(model)
                     ppl = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
                     cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
-                                  "peak_bytes": memory, "gamma": chosen_gammas(recipe)}  # fmt: skip
+                                  "peak_bytes": memory, "gamma": chosen_gammas(recipe),
+                                  "selection": gamma_selection(recipe)}  # fmt: skip
                     if on_cell is not None:
                         on_cell()  # the cache keeps each finished run
                 runs.append(cache[key])
@@ -243,9 +244,15 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
 
 def chosen_gammas(recipe) -> dict[str, float]:
     """``gamma: auto``'s choice per module of a finished run (empty for other recipes)."""
-    from whisper_modifiers.methods import gamma_selection
-
     return {name: choice["gamma"] for name, choice in gamma_selection(recipe).items()}
+
+
+def gamma_selection(recipe) -> dict[str, dict]:
+    """``gamma: auto``'s whole record per module of a finished run: the choice, each
+    candidate's held-out error and standard error, each fold's own choice."""
+    from whisper_modifiers.methods import gamma_selection as selection
+
+    return selection(recipe)
 
 
 def parse_sparsity(label: str) -> tuple[float, str]:

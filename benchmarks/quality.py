@@ -197,9 +197,14 @@ def baseline_comparisons(entry) -> list[dict]:
             sems = [x for x in (cell["perplexity_sem"], baseline["perplexity_sem"])
                     if not math.isnan(x)]  # one seed: no s.e.m.  # fmt: skip
             tolerance = max([*sems, 0.01 * baseline["perplexity"]])
+            baseline_by_seed = {run["seed"]: run["perplexity"] for run in baseline["runs"]}
+            seed_ratios = {run["seed"]: run["perplexity"] / baseline_by_seed[run["seed"]]
+                           for run in cell["runs"] if run["seed"] in baseline_by_seed}  # fmt: skip
             rows.append({
                 "sparsity": label, "variant": variant, "baseline": BASELINE_OF[method],
                 "ratio_to_baseline": cell["perplexity"] / baseline["perplexity"],
+                "seed_ratios": seed_ratios,
+                "worst_seed_ratio": max(seed_ratios.values()),
                 "never_worse": cell["perplexity"] <= baseline["perplexity"] + tolerance,
                 "ratio_to_fixed": fixed and cell["perplexity"] / fixed["perplexity"],
                 "time_ratio_to_fixed": fixed and cell["seconds"] / fixed["seconds"],
@@ -261,7 +266,30 @@ def markdown(results) -> str:
                     f"{row['ratio_to_baseline']:.3f} | {'yes' if row['never_worse'] else 'NO'} | "
                     + (f"{fixed:.3f} | {row['time_ratio_to_fixed']:.2f}× |" if fixed else "| |")
                 )
+            lines += seed_ratio_table(comparisons)
     return "\n".join(lines) + "\n"
+
+
+def seed_ratio_table(comparisons) -> list[str]:
+    """Markdown lines: each seed's perplexity over the baseline's on the same seed (same
+    calibration windows), the mean of those ratios and the worst one."""
+    seeds = sorted({seed for row in comparisons for seed in row["seed_ratios"]})
+    lines = [
+        "",
+        "Per seed, perplexity over the baseline's on the same seed (the same calibration "
+        "windows), their mean, and the worst seed:",
+        "",
+        "| sparsity | variant | " + " | ".join(f"seed {seed}" for seed in seeds)
+        + " | mean | worst |",
+        "|---|---|" + "---|" * (len(seeds) + 2),
+    ]  # fmt: skip
+    for row in comparisons:
+        ratios = row["seed_ratios"]
+        cells = [f"{ratios[seed]:.3f}" if seed in ratios else "" for seed in seeds]
+        mean = sum(ratios.values()) / len(ratios)
+        lines.append(f"| {row['sparsity']} | {row['variant']} | " + " | ".join(cells)
+                     + f" | {mean:.3f} | **{row['worst_seed_ratio']:.3f}** |")  # fmt: skip
+    return lines
 
 
 def plot(results, out: Path) -> None:

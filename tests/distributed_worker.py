@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR  # noqa: E402
 
 METHODS = ("wisp", "wisp_plus", "whisper", "sparsegpt", "wanda", "whisper:gamma=auto",
-           "wisp:gamma=auto")  # fmt: skip
+           "wisp:gamma=auto;gamma_folds=4")  # fmt: skip
+"""Methods, with modifier fields after a colon (``name=value`` joined by ``;``)."""
 SPARSITIES = (("2:4", 0.5, "2:4"), ("0.5", 0.5, "0:0"))
 
 
@@ -69,8 +70,8 @@ def main() -> int:
             model = AutoModelForCausalLM.from_pretrained(
                 MODEL_DIR, dtype=torch.float32, attn_implementation=args.attention
             )
-            name, _, gamma = method.partition(":gamma=")
-            options = {"gamma": gamma} if gamma else {}
+            name, _, fields = method.partition(":")
+            options = dict(field.split("=") for field in fields.split(";") if field)
             recipe = build_recipe(name, sparsity, structure, seed=0, **options)
             pipeline = {"pipeline": args.pipeline} if args.pipeline else {}
             run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size, **pipeline)

@@ -56,7 +56,15 @@ def test_gamma_auto_table_and_plot(tmp_path):
     assert (
         row["time_ratio_to_fixed"] == auto["seconds"] / entry["runs"]["2:4"]["whisper"]["seconds"]
     )
-    assert "| 2:4 | whisper:gamma=auto | sparsegpt |" in (tmp_path / "quality.md").read_text()
+    seeds = {run["seed"]: run["perplexity"] for run in auto["runs"]}
+    baseline_seeds = {r["seed"]: r["perplexity"] for r in entry["runs"]["2:4"]["sparsegpt"]["runs"]}
+    assert row["seed_ratios"] == {seed: seeds[seed] / baseline_seeds[seed] for seed in (0, 1)}
+    assert row["worst_seed_ratio"] == max(row["seed_ratios"].values())
+    assert all(run["selection"][name]["gamma"] == gamma
+               for run in auto["runs"] for name, gamma in run["gamma"].items())  # fmt: skip
+    table = (tmp_path / "quality.md").read_text()
+    assert "| 2:4 | whisper:gamma=auto | sparsegpt |" in table
+    assert f"| 2:4 | whisper:gamma=auto | {row['seed_ratios'][0]:.3f} |" in table
     assert (tmp_path / "gamma_per_layer.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "gamma_auto_ratios.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -38,7 +38,8 @@ from whisper_modifiers.modifiers.base import DifferencePruningBase
 from whisper_modifiers.selection import (
     choose_gamma,
     gated_mlp_errors,
-    is_held_out,
+    held_out_fold,
+    held_out_tokens,
     output_errors,
     paired_means,
     paired_sums,
@@ -243,8 +244,15 @@ def test_whisper_candidates_in_one_batch_are_the_per_module_solves(
 
 
 def test_held_out_sequences_are_every_kth_global_index():
-    assert [i for i in range(12) if is_held_out(i, 4)] == [3, 7, 11]
-    assert [i for i in range(6) if is_held_out(i, 2)] == [1, 3, 5]
+    assert [i for i in range(12) if held_out_fold(i, 4) is not None] == [3, 7, 11]
+    assert [i for i in range(6) if held_out_fold(i, 2) is not None] == [1, 3, 5]
+    assert [held_out_fold(i, 4, 2) for i in range(8)] == [None, None, 2, 3] * 2
+    assert [held_out_fold(i, 3, 3) for i in range(6)] == [0, 1, 2] * 2
+    tokens = torch.arange(12.0).unsqueeze(1)
+    assert torch.equal(held_out_tokens(tokens, 7, 4), tokens)  # one fold: every token
+    offsets = [int(held_out_tokens(tokens, i, 4, 4)[0]) for i in (3, 7, 11, 15, 19)]
+    assert offsets == [0, 1, 2, 3, 0]  # cycling with the sequence's rank in its fold
+    assert len(held_out_tokens(tokens, 7, 4, 4)) == 3
 
 
 def test_auto_batch_size_does_not_change_the_choice(run_oneshot):
@@ -255,6 +263,72 @@ def test_auto_batch_size_does_not_change_the_choice(run_oneshot):
     assert {n: c["gamma"] for n, c in one.gamma_selection().items()} == {
         n: c["gamma"] for n, c in four.gamma_selection().items()
     }
+
+
+@pytest.mark.parametrize(
+    "ours", [WispModifier, WispPlusModifier, WhisperModifier], ids=lambda c: c.__name__
+)
+def test_k_fold_auto_measures_every_fold(run_oneshot, ours):
+    """``gamma_folds: 4`` measures each candidate on all four folds, each pruned with the
+    other three folds' statistics: four per-fold choices per module, one pooled choice
+    (``choose_gamma`` over every sequence's errors), and the same choice whatever the
+    batch size."""
+    one = ours(gamma="auto", gamma_folds=4, **TWO_FOUR)
+    four = ours(gamma="auto", gamma_folds=4, **TWO_FOUR)
+    weights = linear_weights(run_oneshot([one]))
+    assert_same_weights(weights, linear_weights(run_oneshot([four], batch_size=4)))
+    selection = one.gamma_selection()
+    assert selection == four.gamma_selection()
+    assert sorted(selection) == sorted(GATE_UP)
+    for choice in selection.values():
+        assert len(choice["fold_gammas"]) == 4
+        assert choice["gamma"] == choose_gamma(
+            {float(g): e for g, e in choice["held_out_error"].items()},
+            {float(g): se for g, se in choice["difference_se"].items()},
+            one.gamma_evidence,
+        )
+
+
+@pytest.mark.parametrize(
+    ("ours", "stock"),
+    [(WhisperModifier, SparseGPTModifier), (WispModifier, WandaPruningModifier)],
+)
+def test_k_fold_final_solve_sees_every_sequence(run_oneshot, ours, stock):
+    """Every fold joins the statistics of the final solve: with one candidate the model
+    is the fixed-gamma model, and with gamma 1 everywhere the baseline, bit for bit."""
+    auto = run_oneshot([ours(gamma="auto", gamma_folds=4, gamma_candidates=[0.3], **TWO_FOUR)])
+    fixed = run_oneshot([ours(gamma=0.3, **TWO_FOUR)])
+    assert_same_weights(linear_weights(auto), linear_weights(fixed))
+    kept = ours(gamma="auto", gamma_folds=2, gamma_evidence=1e9, **TWO_FOUR)
+    model = run_oneshot([kept])
+    assert {choice["gamma"] for choice in kept.gamma_selection().values()} == {1.0}
+    baseline = run_oneshot([stock(ignore=STOCK_IGNORE, **TWO_FOUR)])
+    assert_same_weights(linear_weights(model), linear_weights(baseline))
+
+
+def test_k_fold_errors_are_the_slow_fold_loop(run_oneshot, monkeypatch):
+    """Each fold's candidates are pruned with exactly the statistics of the other
+    sequences: Wisp's channel statistic of fold ``f`` equals a direct sum over the
+    sequences outside ``f`` (the loop reference), for every fold."""
+    seen = []
+    original = WispModifier.candidate_weights
+
+    def recording(self, group, gammas):
+        gate = group[0]
+        if self._module_names[gate] == "model.layers.0.mlp.gate_proj":
+            seen.append(self._plain_norms[gate].clone())
+        return original(self, group, gammas)
+
+    monkeypatch.setattr(WispModifier, "candidate_weights", recording)
+    model = load_model()
+    name = f"{LAYER0}.mlp.gate_proj"
+    inputs = record_inputs(model, [name])
+    run_oneshot([WispModifier(gamma="auto", gamma_folds=4, **TWO_FOUR)], model=model)
+    sequences = [x[0] for x in calibration_inputs(inputs[name])]
+    assert len(seen) == 4
+    for fold, statistic in enumerate(seen):
+        others = [[x] for i, x in enumerate(sequences) if i % 4 != fold]
+        assert torch.allclose(statistic, loop_channel_norms(others).float(), rtol=1e-5)
 
 
 def _constructed_gated_mlp(offsets_fit, offsets_held, seed=0):
@@ -277,7 +351,7 @@ def _constructed_gated_mlp(offsets_fit, offsets_held, seed=0):
     return (gate, up, down), sequences(48, offsets_fit), sequences(8, offsets_held)
 
 
-def _choose(weights, fit, held, candidates, evidence):
+def _choose(weights, fit, held, candidates, evidence, criterion="relative"):
     """Whisper's gamma: auto on one constructed gated MLP, with the package's pieces:
     statistics of the fit sequences, SparseGPT's solve with H~ per candidate, and the
     held-out MLP output error."""
@@ -304,11 +378,10 @@ def _choose(weights, fit, held, candidates, evidence):
                                            False)[1]  # fmt: skip
         return pruned
 
-    def errors(candidates):
-        pairs = [(pruned["gate"], pruned["up"]) for pruned in candidates]
-        return gated_mlp_errors(held, gate, up, down, F.silu, pairs)
-
-    best, errors, _ = select_gamma(candidates, prune, errors, evidence)
+    pairs = [(pruned["gate"], pruned["up"]) for pruned in prune(candidates)]
+    best, errors, *_ = select_gamma(
+        candidates, [gated_mlp_errors(held, gate, up, down, F.silu, pairs, criterion)], evidence
+    )
     return best, errors
 
 
@@ -337,6 +410,31 @@ def test_auto_finds_the_known_gamma_on_a_constructed_layer():
         best, errors = _choose(weights, fit, held, candidates, evidence)
         assert best == 0.0, errors
         assert errors[0.0] < 0.8 * errors[1.0], errors
+
+
+def test_within_noise_the_baseline_stays_whatever_the_seed():
+    """A constructed layer where the candidates differ, but by less than their noise:
+    the fit sequences carry random offsets on a quarter of the channels (so gamma = 1
+    and gamma < 1 keep different weights), and the held-out sequences alternate between
+    no offset (where gamma < 1 errs less) and an offset (where gamma = 1 does). Their
+    mean errors differ by up to 25 %, but the paired per-sequence differences swing
+    both ways (at most 1.8 standard errors here): the default rule keeps gamma = 1 in
+    every seed, while the plain least-error rule leaves it in most."""
+    candidates = [0.0, 0.1, 0.3, 1.0]
+    defaults = WhisperModifier.model_fields
+    evidence, criterion = defaults["gamma_evidence"].default, defaults["gamma_criterion"].default
+    chosen, least_error = [], []
+    for seed in range(10):
+        for rule, choices in ((evidence, chosen), (0.0, least_error)):
+            held_offsets = iter([2.0 * (i % 2) for i in range(8)])
+            weights, fit, held = _constructed_gated_mlp(
+                lambda g: 5.0 * torch.randn(32, generator=g),
+                lambda g, offsets=held_offsets: next(offsets),
+                seed,
+            )
+            choices.append(_choose(weights, fit, held, candidates, rule, criterion)[0])
+    assert chosen == [1.0] * 10
+    assert sum(gamma != 1.0 for gamma in least_error) >= 5, least_error
 
 
 def test_output_error_and_ties():
@@ -413,10 +511,7 @@ def test_a_candidate_leaves_the_baseline_only_on_evidence():
     noisy = torch.tensor([[0.0, 3.8, 0.0, 3.8], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
 
     def choose(errors, evidence):
-        pruned = {0.3: "a", 1.0: "b"}
-        best, *_ = select_gamma(
-            [0.3, 1.0], lambda gammas: [pruned[g] for g in gammas], lambda _: errors, evidence
-        )
+        best, *_ = select_gamma([0.3, 1.0], [errors], evidence)
         return best
 
     assert choose(steady, 2.0) == choose(steady, 0.0) == 0.3  # always better: chosen
@@ -439,6 +534,8 @@ def test_a_candidate_leaves_the_baseline_only_on_evidence():
         ({"gamma": "auto", "gamma_candidates": []}, "non-empty list"),
         ({"gamma": "auto", "gamma_candidates": [2.0]}, "gamma_candidates"),
         ({"gamma": "auto", "holdout_every": 1}, "holdout_every"),
+        ({"gamma": "auto", "gamma_folds": 0}, "gamma_folds"),
+        ({"gamma": "auto", "gamma_folds": 5}, "gamma_folds must be between 1 and holdout_every"),
         ({"gamma": "auto", "gamma_evidence": -1.0}, "gamma_evidence"),
         ({"gamma": "auto", "gamma_criterion": "median"}, "gamma_criterion"),
     ],

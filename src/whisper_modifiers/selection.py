@@ -5,11 +5,18 @@ model or per layer" open.  At small scale that default loses to SparseGPT (READM
 ``gamma: auto`` picks gamma per difference module from a few candidates by what the
 pruned module does to **held-out** calibration sequences:
 
-* every ``holdout_every``-th calibration sequence (by global index, so the choice does
-  not depend on batch size or ranks) is kept out of the statistics;
-* each candidate gamma prunes the module with statistics of the other sequences;
-* its error is measured on the held-out sequences, then those sequences join the
-  statistics for the final solve with the chosen gamma.
+* calibration sequence ``i`` (by global index, so the choice does not depend on batch
+  size or ranks) belongs to fold ``i % holdout_every``; ``gamma_folds`` of the folds are
+  measured (``held_out_fold``), the last one first;
+* for each measured fold, each candidate gamma prunes the module with the statistics of
+  every other sequence, and its error is measured on the fold's sequences: with one fold,
+  every ``holdout_every``-th sequence is held out once; with all of them, k-fold
+  cross-validation, where every sequence is measured once;
+* the measured sequences keep the held-out token budget of one fold: with ``f`` folds
+  measured, every ``f``-th token of each (``held_out_tokens``), so that more folds buy
+  more independent sequences for the same error-measurement cost;
+* the held-out sequences then join the statistics for the final solve with the chosen
+  gamma.
 
 The error is what the rest of the network sees.  For a gated MLP's gate and up
 projections (which share their input, their ``H`` and ``H_Delta``, and so one gamma), it
@@ -25,11 +32,11 @@ sequence's error is ``mean_t ||e_t||^2 / ||y_t||^2`` against the dense output ``
 The largest candidate is the reference: gamma = 1 is the baseline (SparseGPT / Wanda).
 A few held-out sequences measure the other candidates noisily, and a layer that leaves
 the baseline on noise makes the whole model worse than the baseline (measured: README).
-So a candidate displaces the reference only on evidence: its mean per-sequence error
-must be lower by more than ``gamma_evidence`` standard errors of the paired
-per-sequence difference (default 2, a one-sided test at about 2.5 % for normal
-differences); the eligible candidate of least error wins.  ``gamma_evidence: 0`` is the
-plain least-error rule.
+So a candidate displaces the reference only on evidence: its mean per-sequence error,
+over every measured sequence of every fold, must be lower by more than
+``gamma_evidence`` standard errors of the paired per-sequence difference (default 2, a
+one-sided test at about 2.5 % for normal differences); the eligible candidate of least
+error wins.  ``gamma_evidence: 0`` is the plain least-error rule.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ __all__ = [
     "select_gamma",
     "sequence_error",
     "gated_mlp_errors",
-    "is_held_out",
+    "held_out_fold",
+    "held_out_tokens",
     "output_errors",
     "paired_means",
     "paired_sums",
@@ -59,10 +67,21 @@ WISP_GAMMA_CANDIDATES = (0.0, 0.1, 0.3, 1.0)
 """Wisp itself, two mixtures, and Wanda itself."""
 
 
-def is_held_out(sequence_index: int, holdout_every: int) -> bool:
-    """Whether global calibration sequence ``sequence_index`` is held out:
-    every ``holdout_every``-th one, starting with index ``holdout_every - 1``."""
-    return sequence_index % holdout_every == holdout_every - 1
+def held_out_fold(sequence_index: int, holdout_every: int, folds: int = 1) -> int | None:
+    """The measured fold of global calibration sequence ``sequence_index``, or None if
+    its fold is not measured: sequence ``i`` is in fold ``i % holdout_every``, and the
+    last ``folds`` folds are measured (with ``folds = 1``, every ``holdout_every``-th
+    sequence, starting with index ``holdout_every - 1``)."""
+    fold = sequence_index % holdout_every
+    return fold if fold >= holdout_every - folds else None
+
+
+def held_out_tokens(sequence: torch.Tensor, sequence_index: int, holdout_every: int,
+                    folds: int = 1) -> torch.Tensor:  # fmt: skip
+    """The tokens of a held-out ``sequence`` (``[tokens, m]``) whose error is measured:
+    every ``folds``-th, from an offset that cycles with the sequence's rank in its fold,
+    so that ``folds`` measured folds cost what one fold of whole sequences does."""
+    return sequence[(sequence_index // holdout_every) % folds :: folds]
 
 
 def sequence_error(error: torch.Tensor, dense: torch.Tensor, criterion: str) -> torch.Tensor:
@@ -193,20 +212,26 @@ def choose_gamma(
 
 def select_gamma(
     candidates: Iterable[float],
-    prune: Callable[[list[float]], list[dict]],
-    errors: Callable[[list[dict]], torch.Tensor],
+    fold_errors: Iterable[torch.Tensor],
     evidence: float = 0.0,
     reduce: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums,
-) -> tuple[float, dict[float, float], dict[float, float]]:
+) -> tuple[float, dict[float, float], dict[float, float], list[float]]:
     """``(chosen gamma, {candidate: mean held-out error per sequence}, {candidate:
-    standard error of its paired difference to the largest candidate})``:
-    ``prune(candidates)`` gives the pruned weights at each, ``errors([pruned, ...])``
-    each one's per-sequence held-out errors ``[candidates, sequences]``, ``reduce`` sums
-    ``paired_sums`` over ranks (``choose_gamma`` decides)."""
+    standard error of its paired difference to the largest candidate}, [the gamma each
+    fold alone would choose])`` from ``fold_errors``: per measured fold, each candidate's
+    per-sequence held-out errors ``[candidates, sequences]`` (this rank's). The choice
+    pools every fold's sequences; ``reduce`` sums ``paired_sums`` over ranks
+    (``choose_gamma`` decides). The per-fold choices tell how much the held-out split
+    alone moves the choice."""
     candidates = list(candidates)
     reference = candidates.index(max(candidates))
-    measured = errors(prune(candidates))
-    means, standard_errors = paired_means(reduce(paired_sums(measured, reference)), reference)
-    by_gamma = dict(zip(candidates, means, strict=True))
-    spread = dict(zip(candidates, standard_errors, strict=True))
-    return choose_gamma(by_gamma, spread, evidence), by_gamma, spread
+
+    def choose(sums):
+        means, standard_errors = paired_means(reduce(sums), reference)
+        by_gamma = dict(zip(candidates, means, strict=True))
+        spread = dict(zip(candidates, standard_errors, strict=True))
+        return choose_gamma(by_gamma, spread, evidence), by_gamma, spread
+
+    per_fold = [paired_sums(errors, reference) for errors in fold_errors]
+    fold_choices = [choose(sums)[0] for sums in per_fold]
+    return (*choose(sum(per_fold)), fold_choices)

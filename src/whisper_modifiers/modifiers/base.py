@@ -77,9 +77,17 @@ class DifferencePruningBase(
         and in whisper-prune's ``sparsity_record.json``.
     :param gamma_candidates: the values ``"auto"`` chooses from (default: the method's
         ``GAMMA_CANDIDATES``); only with ``gamma: auto``.
-    :param holdout_every: with ``gamma: auto``, every ``holdout_every``-th calibration
-        sequence (global index ``i`` with ``i % holdout_every == holdout_every - 1``) is
-        held out to measure the candidates, then joins the statistics for the final solve.
+    :param holdout_every: with ``gamma: auto``, the calibration sequences fall in
+        ``holdout_every`` folds (global index ``i`` in fold ``i % holdout_every``); a
+        measured fold is held out to measure the candidates, then joins the statistics
+        for the final solve.
+    :param gamma_folds: with ``gamma: auto``, how many folds are measured, the last
+        first: 1 holds out every ``holdout_every``-th sequence once; ``holdout_every``
+        is k-fold cross-validation, every sequence measured once. The measured tokens
+        stay one fold's (every ``gamma_folds``-th token of each held-out sequence,
+        ``selection.held_out_tokens``); each more fold costs one more solve per
+        candidate, and keeps one more fold of the layer's inputs (on the CPU) and one
+        more set of its difference statistics until the layer is solved.
     :param gamma_evidence: with ``gamma: auto``, how many standard errors of the paired
         per-held-out-sequence difference a candidate's mean error must beat the largest
         candidate's (the baseline's, gamma 1) by to be chosen over it; ``0`` picks the

@@ -3,13 +3,14 @@
 The maths is ``selection.py``'s (the block output error of each candidate, the evidence
 rule); this mixin is its calibration glue for ``DifferencePruningBase``:
 
-* every ``holdout_every``-th calibration sequence of a difference module is held out
+* the sequences of the measured folds of a difference module are held out
   (``hold_out``) instead of calibrating it;
-* after the layer's forward passes, ``reduce_and_select`` copies the statistics of the
-  other sequences, replays the held-out ones into the full statistics (so the final solve
-  sees every sequence), and chooses each group's gamma from the copy: a gated MLP's gate
-  and up projections together, by the error of the MLP block's output
-  (``selection.select_gamma``);
+* after the layer's forward passes, ``reduce_and_select`` replays each measured fold
+  into statistics of its own; the final solve gets the sum of all of them (every
+  sequence). For each measured fold it sums the statistics of every other sequence and
+  measures each candidate on the fold; then it chooses each group's gamma from all
+  folds' errors: a gated MLP's gate and up projections together, by the error of the MLP
+  block's output (``selection.select_gamma``);
 * ``gamma_selection()`` and whisper-prune's record keep the choices.
 
 It relies on the host modifier's routing (``is_difference_module``, ``_module_names``,
@@ -35,7 +36,8 @@ from whisper_modifiers.modifiers.distributed import (
 )
 from whisper_modifiers.selection import (
     gated_mlp_errors,
-    is_held_out,
+    held_out_fold,
+    held_out_tokens,
     output_errors,
     select_gamma,
 )
@@ -57,6 +59,7 @@ class GammaAuto(BaseModel):
     gamma: Gamma = 0.0
     gamma_candidates: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = None
     holdout_every: int = Field(default=4, ge=2)
+    gamma_folds: int = Field(default=1, ge=1)
     gamma_evidence: float = Field(default=2.0, ge=0.0)
     gamma_criterion: Literal["relative", "absolute"] = "relative"
 
@@ -80,6 +83,11 @@ class GammaAuto(BaseModel):
                     f"gamma_candidates must be a non-empty list of distinct values in "
                     f"[0, 1], got {self.gamma_candidates}"
                 )
+        if self.gamma_folds > self.holdout_every:
+            raise ValueError(
+                f"gamma_folds must be between 1 and holdout_every ({self.holdout_every}), "
+                f"got {self.gamma_folds}"
+            )
         return self
 
     def check_calibration_size(self, num_sequences: int) -> None:
@@ -121,7 +129,7 @@ class GammaAuto(BaseModel):
         if cached is not None and cached[0]() is x and cached[1] == x._version:
             return cached[2]
         sequences = x if x.dim() == 3 else x.unsqueeze(0)
-        held = [b for b, row in enumerate(rows) if is_held_out(row, self.holdout_every)]
+        held = [b for b, row in enumerate(rows) if self._fold_of(row) is not None]
         fit = [b for b in range(len(rows)) if b not in held]
         split = (
             [rows[b] for b in fit],
@@ -130,6 +138,9 @@ class GammaAuto(BaseModel):
         )
         self._split = (weakref.ref(x), x._version, split)
         return split
+
+    def _fold_of(self, row: int) -> int | None:
+        return held_out_fold(row, self.holdout_every, self.gamma_folds)
 
     def gamma_of(self, module: torch.nn.Module) -> float:
         """The gamma ``module`` is solved with: ``gamma`` or its choice under ``auto``; 1
@@ -157,47 +168,70 @@ class GammaAuto(BaseModel):
     def reduce_and_select(self):
         """Reduce the statistics across ranks (``distributed``). Under ``gamma: auto`` the
         held-out sequences are folded into them too, and each difference module's gamma
-        is chosen with a copy taken before (the other sequences' statistics, reduced
+        is chosen fold by fold with the statistics of every other sequence (reduced
         alike)."""
         if self.gamma != "auto" or not self._difference_modules:
             return reduce_statistics(self)
         selecting = self._difference_modules & self._calibrated
-        fit = {name: _copy_statistics(getattr(self, name), selecting) for name in statistic_names()
-               if getattr(self, name, None) is not None}  # fmt: skip
+        names = [name for name in statistic_names() if getattr(self, name, None) is not None]
+        main = {name: _copy_statistics(getattr(self, name), selecting) for name in names}
         held = self._held_inputs
-        self._replay(held)
+        folds = self._replay(held, names)
+        for name in names:
+            getattr(self, name).update(_sum_statistics([main, *folds.values()], name, selecting))
         reduce_statistics(self)
-        everything = {name: getattr(self, name) for name in fit}
-        for name, statistics in fit.items():
-            setattr(self, name, statistics)
+        everything = {name: getattr(self, name) for name in names}
+        groups = self._selection_groups(held)
+        errors = {index: [] for index in range(len(groups))}
         try:
-            reduce_statistics(self)
-            self._select_gammas(held)
+            for fold in sorted(folds):
+                others = [main, *(folds[f] for f in sorted(folds) if f != fold)]
+                for name in names:
+                    setattr(self, name, _sum_statistics(others, name, selecting))
+                reduce_statistics(self)
+                for index, (group, mlp) in enumerate(groups):
+                    errors[index].append(self._fold_errors(group, mlp, held, fold))
         finally:
             for name, statistics in everything.items():
                 setattr(self, name, statistics)
+        for index, (group, _) in enumerate(groups):
+            self._choose(group, errors[index])
 
-    def _replay(self, held: dict[torch.nn.Module, list]):
+    def _replay(self, held: dict[torch.nn.Module, list], names: list[str]) -> dict[int, dict]:
         """Calibrate on the held-out sequences, in index order, each module in
-        registration order; modules that shared an input share it again."""
+        registration order, into statistics of their fold (``{fold: {name: {module:
+        sum}}}``); modules that shared an input share it again."""
         self._held_inputs = dict()
         sequences = {}
         for module in self._module_names:
             for row, sequence in held.get(module, []):
                 sequences.setdefault(id(sequence), (row, sequence, []))[2].append(module)
-        for row, sequence, modules in sorted(sequences.values(), key=lambda item: item[0]):
-            batch = sequence.unsqueeze(0).to(get_execution_device(modules[0]))
-            for module in modules:
-                self._rows = [row]
-                self.calibrate_module(module, (batch,), None)
+        folds = {}
+        saved = {name: getattr(self, name) for name in names}
+        try:
+            for row, sequence, modules in sorted(sequences.values(), key=lambda item: item[0]):
+                fold = folds.setdefault(self._fold_of(row), {name: {} for name in names})
+                for name in names:
+                    setattr(self, name, fold[name])
+                batch = sequence.unsqueeze(0).to(get_execution_device(modules[0]))
+                for module in modules:
+                    self._rows = [row]
+                    self.calibrate_module(module, (batch,), None)
+        finally:
+            for name, statistics in saved.items():
+                setattr(self, name, statistics)
+        for fold in range(self.holdout_every - self.gamma_folds, self.holdout_every):
+            folds.setdefault(fold, {name: {} for name in names})  # none on this rank
+        return folds
 
-    def _select_gammas(self, held: dict[torch.nn.Module, list]):
-        """Choose gamma for each group of difference modules: a gated MLP's gate and up
-        projections together, any other module alone."""
-        done = set()
+    def _selection_groups(self, held: dict[torch.nn.Module, list]) -> list[tuple]:
+        """``(group, gated MLP or None)`` per group of difference modules calibrated in
+        this layer that shares one gamma: a gated MLP's gate and up projections together,
+        any other module alone."""
+        groups, done = [], set()
         for module in self._module_names:
             if module in done or module not in self._calibrated:
-                continue  # solved already, or not in this layer
+                continue  # grouped already, or not in this layer
             if not self.is_difference_module(module):
                 continue
             mlp = self._gated_mlps.get(module)
@@ -205,34 +239,44 @@ class GammaAuto(BaseModel):
             if mlp is not None:
                 group = [m for m in (mlp.gate_proj, mlp.up_proj) if self.is_difference_module(m)]
             done.update(group)
-            inputs = [sequence for _, sequence in held.get(group[0], [])]
-            if all_reduce_sum(len(inputs)) == 0:
+            if all_reduce_sum(len(held.get(group[0], []))) == 0:
                 raise ValueError(
                     f"gamma 'auto' holds out every {self.holdout_every}th calibration "
                     f"sequence, and {self._module_names[module]} saw none: calibrate on at "
                     f"least {self.holdout_every} sequences (or lower holdout_every)"
                 )
-            best, errors, standard_errors = select_gamma(
-                self.candidate_gammas(),
-                lambda gammas, group=group: self.candidate_weights(group, gammas),
-                lambda pruned, group=group, mlp=mlp, inputs=inputs: self._held_out_errors(
-                    group, mlp, inputs, pruned
-                ),
-                self.gamma_evidence,
-                all_reduce_sum,
-            )
-            for m in group:
-                self._chosen_gammas[m] = best
-                self._gamma_record[self._module_names[m]] = {
-                    "gamma": best,
-                    "held_out_error": {str(gamma): error for gamma, error in errors.items()},
-                    "difference_se": {str(g): se for g, se in standard_errors.items()},
-                }
-            logger.info(
-                f"{', '.join(self._module_names[m] for m in group)}: gamma {best} "
-                f"(mean held-out error {errors[best]:.4g}; candidates {errors}, standard "
-                f"errors of their difference to {max(errors)} {standard_errors})"
-            )
+            groups.append((group, mlp))
+        return groups
+
+    def _fold_errors(self, group, mlp, held, fold: int) -> torch.Tensor:
+        """``[candidates, sequences]``: each candidate's error on this rank's held-out
+        sequences of ``fold``, pruned with the statistics held now (the other folds')."""
+        inputs = [
+            held_out_tokens(sequence, row, self.holdout_every, self.gamma_folds)
+            for row, sequence in held.get(group[0], []) if self._fold_of(row) == fold
+        ]  # fmt: skip
+        pruned = self.candidate_weights(group, self.candidate_gammas())
+        return self._held_out_errors(group, mlp, inputs, pruned)
+
+    def _choose(self, group: list, fold_errors: list[torch.Tensor]):
+        """Choose and record ``group``'s gamma from every fold's errors."""
+        best, errors, standard_errors, fold_choices = select_gamma(
+            self.candidate_gammas(), fold_errors, self.gamma_evidence, all_reduce_sum
+        )
+        for module in group:
+            self._chosen_gammas[module] = best
+            self._gamma_record[self._module_names[module]] = {
+                "gamma": best,
+                "held_out_error": {str(gamma): error for gamma, error in errors.items()},
+                "difference_se": {str(g): se for g, se in standard_errors.items()},
+                "fold_gammas": fold_choices,
+            }
+        logger.info(
+            f"{', '.join(self._module_names[m] for m in group)}: gamma {best} "
+            f"(mean held-out error {errors[best]:.4g}; candidates {errors}, standard "
+            f"errors of their difference to {max(errors)} {standard_errors}; each fold "
+            f"alone: {fold_choices})"
+        )
 
     def _held_out_errors(self, group, mlp, inputs, candidates: list[dict]) -> torch.Tensor:
         """Each candidate's gated MLP block output error (or the module's own) on each of
@@ -266,9 +310,28 @@ class GammaAuto(BaseModel):
 def _copy_statistics(statistics: dict, modules: set) -> dict:
     """A copy of the entries of ``modules`` in a per-module statistic dict, sharing no
     tensor with it."""
-    return {
-        module: value.clone() if isinstance(value, torch.Tensor)
-        else tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in value)
-        if isinstance(value, tuple) else value
-        for module, value in statistics.items() if module in modules
-    }  # fmt: skip
+    return {module: _add(None, value) for module, value in statistics.items() if module in modules}
+
+
+def _sum_statistics(sets: list[dict], name: str, modules: set) -> dict:
+    """``{module: sum}`` of statistic ``name`` over ``sets`` (each ``{name: {module:
+    value}}``) for the entries of ``modules``, in new tensors."""
+    total = {}
+    for statistics in sets:
+        for module, value in statistics[name].items():
+            if module in modules:
+                total[module] = _add(total.get(module), value)
+    return total
+
+
+def _add(total, value):
+    """``total + value`` for a statistic's value: a float64 sum, a count, or a tuple of
+    them (centering); a copy of ``value`` when ``total`` is None."""
+    if isinstance(value, tuple):
+        totals = total or (None,) * len(value)
+        return tuple(_add(t, v) for t, v in zip(totals, value, strict=True))
+    if total is None:
+        return value.clone() if isinstance(value, torch.Tensor) else value
+    if isinstance(value, torch.Tensor):
+        return total + value.to(total.device)
+    return total + value
