@@ -34,6 +34,11 @@ from whisper_modifiers.modifiers.distributed import (
     reduce_statistics,
     statistic_names,
 )
+from whisper_modifiers.modifiers.statistic_sets import (
+    copy_statistics,
+    restored_statistics,
+    sum_statistics,
+)
 from whisper_modifiers.selection import (
     gated_mlp_errors,
     held_out_fold,
@@ -174,26 +179,22 @@ class GammaAuto(BaseModel):
             return reduce_statistics(self)
         selecting = self._difference_modules & self._calibrated
         names = [name for name in statistic_names() if getattr(self, name, None) is not None]
-        main = {name: _copy_statistics(getattr(self, name), selecting) for name in names}
+        main = {name: copy_statistics(getattr(self, name), selecting) for name in names}
         held = self._held_inputs
         folds = self._replay(held, names)
         for name in names:
-            getattr(self, name).update(_sum_statistics([main, *folds.values()], name, selecting))
+            getattr(self, name).update(sum_statistics([main, *folds.values()], name, selecting))
         reduce_statistics(self)
-        everything = {name: getattr(self, name) for name in names}
         groups = self._selection_groups(held)
         errors = {index: [] for index in range(len(groups))}
-        try:
+        with restored_statistics(self, names):
             for fold in sorted(folds):
                 others = [main, *(folds[f] for f in sorted(folds) if f != fold)]
                 for name in names:
-                    setattr(self, name, _sum_statistics(others, name, selecting))
+                    setattr(self, name, sum_statistics(others, name, selecting))
                 reduce_statistics(self)
                 for index, (group, mlp) in enumerate(groups):
                     errors[index].append(self._fold_errors(group, mlp, held, fold))
-        finally:
-            for name, statistics in everything.items():
-                setattr(self, name, statistics)
         for index, (group, _) in enumerate(groups):
             self._choose(group, errors[index])
 
@@ -207,8 +208,7 @@ class GammaAuto(BaseModel):
             for row, sequence in held.get(module, []):
                 sequences.setdefault(id(sequence), (row, sequence, []))[2].append(module)
         folds = {}
-        saved = {name: getattr(self, name) for name in names}
-        try:
+        with restored_statistics(self, names):
             for row, sequence, modules in sorted(sequences.values(), key=lambda item: item[0]):
                 fold = folds.setdefault(self._fold_of(row), {name: {} for name in names})
                 for name in names:
@@ -217,9 +217,6 @@ class GammaAuto(BaseModel):
                 for module in modules:
                     self._rows = [row]
                     self.calibrate_module(module, (batch,), None)
-        finally:
-            for name, statistics in saved.items():
-                setattr(self, name, statistics)
         for fold in range(self.holdout_every - self.gamma_folds, self.holdout_every):
             folds.setdefault(fold, {name: {} for name in names})  # none on this rank
         return folds
@@ -305,33 +302,3 @@ class GammaAuto(BaseModel):
         self._held_inputs = dict()
         self._gated_mlps = dict()
         self._chosen_gammas = dict()
-
-
-def _copy_statistics(statistics: dict, modules: set) -> dict:
-    """A copy of the entries of ``modules`` in a per-module statistic dict, sharing no
-    tensor with it."""
-    return {module: _add(None, value) for module, value in statistics.items() if module in modules}
-
-
-def _sum_statistics(sets: list[dict], name: str, modules: set) -> dict:
-    """``{module: sum}`` of statistic ``name`` over ``sets`` (each ``{name: {module:
-    value}}``) for the entries of ``modules``, in new tensors."""
-    total = {}
-    for statistics in sets:
-        for module, value in statistics[name].items():
-            if module in modules:
-                total[module] = _add(total.get(module), value)
-    return total
-
-
-def _add(total, value):
-    """``total + value`` for a statistic's value: a float64 sum, a count, or a tuple of
-    them (centering); a copy of ``value`` when ``total`` is None."""
-    if isinstance(value, tuple):
-        totals = total or (None,) * len(value)
-        return tuple(_add(t, v) for t, v in zip(totals, value, strict=True))
-    if total is None:
-        return value.clone() if isinstance(value, torch.Tensor) else value
-    if isinstance(value, torch.Tensor):
-        return total + value.to(total.device)
-    return total + value
