@@ -176,20 +176,17 @@ class DifferencePruningBase(
     def _calibrate_finite(self, module, args, output):
         """``calibrate_module``, after refusing NaN or inf inputs (every module, routed
         to the difference statistic or to the standard method). With ``gamma: auto`` the
-        held-out sequences of a difference module are stored instead (``selection``)."""
+        held-out sequences of a difference module are also kept (``selection``)."""
         x = args[0]
         check_finite_activations(self._module_names[module], x)
         first = self._sequences_seen.get(module, sequence_offset())  # global index
         rows = list(range(first, first + (x.shape[0] if x.dim() == 3 else 1)))
         self._sequences_seen[module] = rows[-1] + 1
         self._calibrated.add(module)
-        if self.gamma != "auto" or not self.is_difference_module(module):
-            self._rows = rows
-            return self.calibrate_module(module, args, output)
-        fit_rows, fit = self.hold_out(module, x, rows)
-        if fit_rows:
-            self._rows = fit_rows
-            self.calibrate_module(module, (fit,), output)
+        if self.gamma == "auto" and self.is_difference_module(module):
+            self.hold_out(module, x, rows)
+        self._rows = rows
+        return self.calibrate_module(module, args, output)
 
     def _select_difference_modules(self, modules) -> set[torch.nn.Module]:
         selected = set()

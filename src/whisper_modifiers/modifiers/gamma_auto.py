@@ -3,14 +3,14 @@
 The maths is ``selection.py``'s (the block output error of each candidate, the evidence
 rule); this mixin is its calibration glue for ``DifferencePruningBase``:
 
-* the sequences of the measured folds of a difference module are held out
-  (``hold_out``) instead of calibrating it;
+* every sequence calibrates the statistics as in the baseline (the final solve uses
+  them); the inputs of the sequences of the measured folds are also kept (``hold_out``);
 * after the layer's forward passes, ``reduce_and_select`` replays each measured fold
-  into statistics of its own; the final solve gets the sum of all of them (every
-  sequence). For each measured fold it sums the statistics of every other sequence and
-  measures each candidate on the fold; then it chooses each group's gamma from all
-  folds' errors: a gated MLP's gate and up projections together, by the error of the MLP
-  block's output (``selection.select_gamma``);
+  into statistics of its own. For each measured fold it takes the statistics of every
+  other sequence (all, less the fold's) and measures each candidate on the fold; then it
+  chooses each group's gamma from all folds' errors: a gated MLP's gate and up
+  projections together, by the error of the MLP block's output
+  (``selection.select_gamma``);
 * ``gamma_selection()`` and whisper-prune's record keep the choices.
 
 It relies on the host modifier's routing (``is_difference_module``, ``_module_names``,
@@ -37,7 +37,7 @@ from whisper_modifiers.modifiers.distributed import (
 from whisper_modifiers.modifiers.statistic_sets import (
     copy_statistics,
     restored_statistics,
-    sum_statistics,
+    statistics_without,
 )
 from whisper_modifiers.selection import (
     gated_mlp_errors,
@@ -120,29 +120,22 @@ class GammaAuto(BaseModel):
                 self._gated_mlps[module] = parent
 
     def hold_out(self, module: torch.nn.Module, x: torch.Tensor, rows: list[int]):
-        """Keep the held-out sequences of a hook's input for the selection; returns the
-        rows and activations left to calibrate on (``(rows, None)`` if none is left)."""
-        fit_rows, fit, held = self._split_held_out(x, rows)
-        self._held_inputs.setdefault(module, []).extend(held)
-        return fit_rows, fit
+        """Keep the held-out sequences of a hook's input for the selection (they are
+        calibrated on too, with every other sequence)."""
+        self._held_inputs.setdefault(module, []).extend(self._held_sequences(x, rows))
 
-    def _split_held_out(self, x: torch.Tensor, rows: list[int]):
-        """``(fit rows, their activations, [(index, held-out sequence)]) `` of a hook's
-        input; computed once per input tensor, so modules sharing their input (gate and
-        up) share the very tensors (``input_source``)."""
+    def _held_sequences(self, x: torch.Tensor, rows: list[int]) -> list[tuple]:
+        """``[(index, held-out sequence)]`` of a hook's input, copied to the CPU once per
+        input tensor, so that modules sharing their input (gate and up) share the very
+        tensors (``_replay``)."""
         cached = self._split
         if cached is not None and cached[0]() is x and cached[1] == x._version:
             return cached[2]
         sequences = x if x.dim() == 3 else x.unsqueeze(0)
-        held = [b for b, row in enumerate(rows) if self._fold_of(row) is not None]
-        fit = [b for b in range(len(rows)) if b not in held]
-        split = (
-            [rows[b] for b in fit],
-            x if not held else sequences[fit] if fit else None,
-            [(rows[b], sequences[b].detach().to("cpu", copy=True)) for b in held],
-        )
-        self._split = (weakref.ref(x), x._version, split)
-        return split
+        held = [(row, sequences[b].detach().to("cpu", copy=True))
+                for b, row in enumerate(rows) if self._fold_of(row) is not None]  # fmt: skip
+        self._split = (weakref.ref(x), x._version, held)
+        return held
 
     def _fold_of(self, row: int) -> int | None:
         return held_out_fold(row, self.holdout_every, self.gamma_folds)
@@ -171,27 +164,25 @@ class GammaAuto(BaseModel):
                 for gamma in gammas]  # fmt: skip
 
     def reduce_and_select(self):
-        """Reduce the statistics across ranks (``distributed``). Under ``gamma: auto`` the
-        held-out sequences are folded into them too, and each difference module's gamma
-        is chosen fold by fold with the statistics of every other sequence (reduced
-        alike)."""
+        """Reduce the statistics across ranks (``distributed``): every calibration
+        sequence, held out or not, summed in the order the baseline sums them, so a
+        module that keeps gamma 1 is the baseline's bit for bit. Under ``gamma: auto``
+        each difference module's gamma is chosen fold by fold with the statistics of
+        every other sequence (all of them less the fold's, reduced alike)."""
         if self.gamma != "auto" or not self._difference_modules:
             return reduce_statistics(self)
         selecting = self._difference_modules & self._calibrated
         names = [name for name in statistic_names() if getattr(self, name, None) is not None]
-        main = {name: copy_statistics(getattr(self, name), selecting) for name in names}
+        everything = {name: copy_statistics(getattr(self, name), selecting) for name in names}
         held = self._held_inputs
         folds = self._replay(held, names)
-        for name in names:
-            getattr(self, name).update(sum_statistics([main, *folds.values()], name, selecting))
-        reduce_statistics(self)
+        reduce_statistics(self)  # every sequence, summed as the baseline sums them
         groups = self._selection_groups(held)
         errors = {index: [] for index in range(len(groups))}
         with restored_statistics(self, names):
             for fold in sorted(folds):
-                others = [main, *(folds[f] for f in sorted(folds) if f != fold)]
                 for name in names:
-                    setattr(self, name, sum_statistics(others, name, selecting))
+                    setattr(self, name, statistics_without(everything, folds[fold], name))
                 reduce_statistics(self)
                 for index, (group, mlp) in enumerate(groups):
                     errors[index].append(self._fold_errors(group, mlp, held, fold))
@@ -199,9 +190,9 @@ class GammaAuto(BaseModel):
             self._choose(group, errors[index])
 
     def _replay(self, held: dict[torch.nn.Module, list], names: list[str]) -> dict[int, dict]:
-        """Calibrate on the held-out sequences, in index order, each module in
-        registration order, into statistics of their fold (``{fold: {name: {module:
-        sum}}}``); modules that shared an input share it again."""
+        """Calibrate on the held-out sequences again, in index order, each module in
+        registration order, into statistics of their fold alone (``{fold: {name:
+        {module: sum}}}``); modules that shared an input share it again."""
         self._held_inputs = dict()
         sequences = {}
         for module in self._module_names:

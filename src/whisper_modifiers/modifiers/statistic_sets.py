@@ -1,6 +1,6 @@
 """Sets of a modifier's per-module statistics (``distributed.statistic_names``: dicts of
-float64 sums, counts and centering terms), for ``gamma: auto``'s folds: copies, sums
-over sets, and swapping them in and out. Glue; no maths here."""
+float64 sums, counts and centering terms), for ``gamma: auto``'s folds: copies, the
+statistics less a fold's, and swapping them in and out. Glue; no maths here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-__all__ = ["copy_statistics", "restored_statistics", "sum_statistics"]
+__all__ = ["copy_statistics", "restored_statistics", "statistics_without"]
 
 
 @contextlib.contextmanager
@@ -29,25 +29,24 @@ def copy_statistics(statistics: dict, modules: set) -> dict:
     return {module: _add(None, value) for module, value in statistics.items() if module in modules}
 
 
-def sum_statistics(sets: list[dict], name: str, modules: set) -> dict:
-    """``{module: sum}`` of statistic ``name`` over ``sets`` (each ``{name: {module:
-    value}}``) for the entries of ``modules``, in new tensors."""
-    total = {}
-    for statistics in sets:
-        for module, value in statistics[name].items():
-            if module in modules:
-                total[module] = _add(total.get(module), value)
-    return total
+def statistics_without(everything: dict, part: dict, name: str) -> dict:
+    """``{module: sum}`` of statistic ``name`` in ``everything`` less its sum in ``part``
+    (both ``{name: {module: value}}``), in new tensors: the statistics of every sequence
+    outside ``part``."""
+    return {module: _add(value, part[name].get(module), sign=-1)
+            for module, value in everything[name].items()}  # fmt: skip
 
 
-def _add(total, value):
-    """``total + value`` for a statistic's value: a float64 sum, a count, or a tuple of
-    them (centering); a copy of ``value`` when ``total`` is None."""
+def _add(total, value, sign: int = 1):
+    """``total + sign * value`` for a statistic's value: a float64 sum, a count, or a
+    tuple of them (centering); a copy of the other when either is None."""
+    if value is None or total is None:
+        kept = total if value is None else value
+        if isinstance(kept, tuple):
+            return tuple(_add(None, v) for v in kept)
+        return kept.clone() if isinstance(kept, torch.Tensor) else kept
     if isinstance(value, tuple):
-        totals = total or (None,) * len(value)
-        return tuple(_add(t, v) for t, v in zip(totals, value, strict=True))
-    if total is None:
-        return value.clone() if isinstance(value, torch.Tensor) else value
+        return tuple(_add(t, v, sign) for t, v in zip(total, value, strict=True))
     if isinstance(value, torch.Tensor):
-        return total + value.to(total.device)
-    return total + value
+        return total + sign * value.to(total.device)
+    return total + sign * value
