@@ -197,7 +197,7 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
     ``run_key`` -> run) holds runs already done: a variant that builds the same recipe as
     one run before is not run again. With ``cached_only`` nothing is run: a cell whose
     runs are not all in ``cache`` is left out (tables from an interrupted benchmark)."""
-    from whisper_modifiers.methods import build_recipe
+    from whisper_modifiers.methods import build_recipe, gamma_selection
 
     table = {} if table is None else table
     cache = {} if cache is None else cache
@@ -217,9 +217,11 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                     seconds, memory = prune(model, tokenizer, dataset, recipe)
                     model = on_evaluation_device(model)
                     ppl = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
+                    selection = gamma_selection(recipe)  # gamma: auto's record, if any
+                    gammas = {name: choice["gamma"] for name, choice in selection.items()}
                     cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
-                                  "peak_bytes": memory, "gamma": chosen_gammas(recipe),
-                                  "selection": gamma_selection(recipe)}  # fmt: skip
+                                  "peak_bytes": memory, "gamma": gammas,
+                                  "selection": selection}  # fmt: skip
                     if on_cell is not None:
                         on_cell()  # the cache keeps each finished run
                 runs.append(cache[key])
@@ -240,19 +242,6 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
             if on_cell is not None:
                 on_cell()
     return table
-
-
-def chosen_gammas(recipe) -> dict[str, float]:
-    """``gamma: auto``'s choice per module of a finished run (empty for other recipes)."""
-    return {name: choice["gamma"] for name, choice in gamma_selection(recipe).items()}
-
-
-def gamma_selection(recipe) -> dict[str, dict]:
-    """``gamma: auto``'s whole record per module of a finished run: the choice, each
-    candidate's held-out error and standard error, each fold's own choice."""
-    from whisper_modifiers.methods import gamma_selection as selection
-
-    return selection(recipe)
 
 
 def parse_sparsity(label: str) -> tuple[float, str]:

@@ -68,7 +68,7 @@ class GammaAuto(BaseModel):
     gamma_evidence: float = Field(default=2.0, ge=0.0)
     gamma_criterion: Literal["relative", "absolute"] = "relative"
 
-    _split: tuple | None = PrivateAttr(default=None)
+    _held_of_input: tuple | None = PrivateAttr(default=None)
     _held_inputs: dict[torch.nn.Module, list] = PrivateAttr(default_factory=dict)
     _gated_mlps: dict[torch.nn.Module, torch.nn.Module] = PrivateAttr(default_factory=dict)
     _chosen_gammas: dict[torch.nn.Module, float] = PrivateAttr(default_factory=dict)
@@ -128,13 +128,13 @@ class GammaAuto(BaseModel):
         """``[(index, held-out sequence)]`` of a hook's input, copied to the CPU once per
         input tensor, so that modules sharing their input (gate and up) share the very
         tensors (``_replay``)."""
-        cached = self._split
+        cached = self._held_of_input
         if cached is not None and cached[0]() is x and cached[1] == x._version:
             return cached[2]
         sequences = x if x.dim() == 3 else x.unsqueeze(0)
         held = [(row, sequences[b].detach().to("cpu", copy=True))
                 for b, row in enumerate(rows) if self._fold_of(row) is not None]  # fmt: skip
-        self._split = (weakref.ref(x), x._version, held)
+        self._held_of_input = (weakref.ref(x), x._version, held)
         return held
 
     def _fold_of(self, row: int) -> int | None:
@@ -285,11 +285,11 @@ class GammaAuto(BaseModel):
             )  # fmt: skip
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
-        self._split = None  # release the layer's last batch
+        self._held_of_input = None  # release the layer's last batch
         super().on_sequential_epoch_end(state, event, **kwargs)
 
     def _reset_gamma_auto(self):
-        self._split = None
+        self._held_of_input = None
         self._held_inputs = dict()
         self._gated_mlps = dict()
         self._chosen_gammas = dict()

@@ -26,27 +26,32 @@ def restored_statistics(modifier, names: list[str]):
 def copy_statistics(statistics: dict, modules: set) -> dict:
     """A copy of the entries of ``modules`` in a per-module statistic dict, sharing no
     tensor with it."""
-    return {module: _add(None, value) for module, value in statistics.items() if module in modules}
+    return {module: _copy(value) for module, value in statistics.items() if module in modules}
 
 
 def statistics_without(everything: dict, part: dict, name: str) -> dict:
     """``{module: sum}`` of statistic ``name`` in ``everything`` less its sum in ``part``
     (both ``{name: {module: value}}``), in new tensors: the statistics of every sequence
     outside ``part``."""
-    return {module: _add(value, part[name].get(module), sign=-1)
+    return {module: _less(value, part[name].get(module))
             for module, value in everything[name].items()}  # fmt: skip
 
 
-def _add(total, value, sign: int = 1):
-    """``total + sign * value`` for a statistic's value: a float64 sum, a count, or a
-    tuple of them (centering); a copy of the other when either is None."""
-    if value is None or total is None:
-        kept = total if value is None else value
-        if isinstance(kept, tuple):
-            return tuple(_add(None, v) for v in kept)
-        return kept.clone() if isinstance(kept, torch.Tensor) else kept
+def _copy(value):
+    """A statistic's value (a float64 sum, a count, or a tuple of them: centering) in new
+    tensors."""
     if isinstance(value, tuple):
-        return tuple(_add(t, v, sign) for t, v in zip(total, value, strict=True))
-    if isinstance(value, torch.Tensor):
-        return total + sign * value.to(total.device)
-    return total + sign * value
+        return tuple(_copy(v) for v in value)
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _less(total, part):
+    """``total - part`` for a statistic's value, in new tensors (``total`` itself when
+    ``part`` has no entry)."""
+    if part is None:
+        return _copy(total)
+    if isinstance(total, tuple):
+        return tuple(_less(t, p) for t, p in zip(total, part, strict=True))
+    if isinstance(total, torch.Tensor):
+        return total - part.to(total.device)
+    return total - part
