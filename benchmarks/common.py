@@ -197,6 +197,8 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
     ``run_key`` -> run) holds runs already done: a variant that builds the same recipe as
     one run before is not run again. With ``cached_only`` nothing is run: a cell whose
     runs are not all in ``cache`` is left out (tables from an interrupted benchmark)."""
+    import torch
+
     from whisper_modifiers.methods import build_recipe, gamma_selection
 
     table = {} if table is None else table
@@ -221,7 +223,8 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                     gammas = {name: choice["gamma"] for name, choice in selection.items()}
                     cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
                                   "peak_bytes": memory, "gamma": gammas,
-                                  "selection": selection}  # fmt: skip
+                                  "selection": selection,
+                                  "threads": torch.get_num_threads()}  # fmt: skip
                     if on_cell is not None:
                         on_cell()  # the cache keeps each finished run
                 runs.append(cache[key])

@@ -108,8 +108,20 @@ def main(argv=None) -> int:
         help="run nothing: tables and plots from the --cache file's finished cells (the "
         "dense perplexity too, once cached)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for every run (default: torch's); recorded with each run. "
+        "Float32 reductions, and so SparseGPT's masks, depend on it: compare runs made with "
+        "the same count",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.methods is None:
         composites = [*COMPOSITE_METHODS, "sparsegpt", "whisper"]
         args.methods = composites if args.composites else list(MAIN_METHODS)
@@ -200,11 +212,13 @@ def baseline_comparisons(entry) -> list[dict]:
             baseline_by_seed = {run["seed"]: run["perplexity"] for run in baseline["runs"]}
             seed_ratios = {run["seed"]: run["perplexity"] / baseline_by_seed[run["seed"]]
                            for run in cell["runs"] if run["seed"] in baseline_by_seed}  # fmt: skip
+            threads = {run.get("threads") for run in cell["runs"] + baseline["runs"]}
             rows.append({
                 "sparsity": label, "variant": variant, "baseline": BASELINE_OF[method],
                 "ratio_to_baseline": cell["perplexity"] / baseline["perplexity"],
                 "seed_ratios": seed_ratios,
                 "worst_seed_ratio": max(seed_ratios.values()),
+                "threads": sorted(threads, key=lambda count: (count is None, count)),
                 "never_worse": cell["perplexity"] <= baseline["perplexity"] + tolerance,
                 "ratio_to_fixed": fixed and cell["perplexity"] / fixed["perplexity"],
                 "time_ratio_to_fixed": fixed and cell["seconds"] / fixed["seconds"],
@@ -277,18 +291,21 @@ def seed_ratio_table(comparisons) -> list[str]:
     lines = [
         "",
         "Per seed, perplexity over the baseline's on the same seed (the same calibration "
-        "windows), their mean, and the worst seed:",
+        "windows), their mean, the worst seed, and the CPU thread counts of the runs "
+        "compared (? where not recorded):",
         "",
         "| sparsity | variant | " + " | ".join(f"seed {seed}" for seed in seeds)
-        + " | mean | worst |",
-        "|---|---|" + "---|" * (len(seeds) + 2),
+        + " | mean | worst | threads |",
+        "|---|---|" + "---|" * (len(seeds) + 3),
     ]  # fmt: skip
     for row in comparisons:
         ratios = row["seed_ratios"]
         cells = [f"{ratios[seed]:.3f}" if seed in ratios else "" for seed in seeds]
         mean = sum(ratios.values()) / len(ratios)
+        threads = ", ".join("?" if count is None else str(count) for count in row["threads"])
+        worst = row["worst_seed_ratio"]
         lines.append(f"| {row['sparsity']} | {row['variant']} | " + " | ".join(cells)
-                     + f" | {mean:.3f} | **{row['worst_seed_ratio']:.3f}** |")  # fmt: skip
+                     + f" | {mean:.3f} | **{worst:.3f}** | {threads} |")  # fmt: skip
     return lines
 
 

@@ -7,6 +7,7 @@ import statistics
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 
@@ -37,9 +38,11 @@ def test_quality_benchmark_writes_tables_and_plots(tmp_path):
 def test_gamma_auto_table_and_plot(tmp_path):
     """Issue 14's table on a smoke protocol: auto variants beside their baselines, the
     never-worse comparison, and the chosen gamma per layer."""
+    threads = torch.get_num_threads()  # recorded with each run (and left as it is)
     argv = ["--gamma-auto", "--models", "stories260K", "--methods", "sparsegpt",
             "whisper:gamma=auto", "whisper", "--seeds", "2", "--sparsities", "2:4",
-            "--num-sequences", "8", "--seq-len", "64", "--out", str(tmp_path)]  # fmt: skip
+            "--num-sequences", "8", "--seq-len", "64", "--threads", str(threads),
+            "--out", str(tmp_path)]  # fmt: skip
     assert quality.main(argv) == 0
     entry = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]
     auto = entry["runs"]["2:4"]["whisper:gamma=auto"]
@@ -60,11 +63,13 @@ def test_gamma_auto_table_and_plot(tmp_path):
     baseline_seeds = {r["seed"]: r["perplexity"] for r in entry["runs"]["2:4"]["sparsegpt"]["runs"]}
     assert row["seed_ratios"] == {seed: seeds[seed] / baseline_seeds[seed] for seed in (0, 1)}
     assert row["worst_seed_ratio"] == max(row["seed_ratios"].values())
+    assert row["threads"] == [threads]  # every run compared was made at --threads
     assert all(run["selection"][name]["gamma"] == gamma
                for run in auto["runs"] for name, gamma in run["gamma"].items())  # fmt: skip
     table = (tmp_path / "quality.md").read_text()
     assert "| 2:4 | whisper:gamma=auto | sparsegpt |" in table
     assert f"| 2:4 | whisper:gamma=auto | {row['seed_ratios'][0]:.3f} |" in table
+    assert f"**{row['worst_seed_ratio']:.3f}** | {threads} |" in table
     assert (tmp_path / "gamma_per_layer.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "gamma_auto_ratios.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -123,7 +128,6 @@ def test_speed_benchmark_reports_centered_ratios(tmp_path):
 
 def test_sparse_kernel_benchmark_without_cuda_says_so(capsys, tmp_path, monkeypatch):
     import sparse_kernels
-    import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert sparse_kernels.main(["--out", str(tmp_path)]) == 0

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
 from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import sparsify_weight
 
-from conftest import linear_weights, load_model
+from conftest import NUM_SEQUENCES, linear_weights, load_model
 from reference import (
     loop_channel_norms,
     loop_differences,
@@ -35,6 +35,7 @@ from whisper_modifiers import (
     WispPlusModifier,
 )
 from whisper_modifiers.modifiers.base import DifferencePruningBase
+from whisper_modifiers.modifiers.model_check import held_out_sequences, sequence_losses
 from whisper_modifiers.selection import (
     choose_gamma,
     gated_mlp_errors,
@@ -164,7 +165,7 @@ def test_auto_is_deterministic_and_recorded(run_oneshot, ours):
         gate, up = (selection[f"model.layers.{i}.mlp.{part}"] for part in ("gate_proj", "up_proj"))
         assert gate == up  # one choice for the gated pair
         assert list(gate["held_out_error"]) == list(gate["difference_se"]) == candidates
-        assert gate["gamma"] == choose_gamma(
+        assert gate.get("chosen_gamma", gate["gamma"]) == choose_gamma(
             {float(g): e for g, e in gate["held_out_error"].items()},
             {float(g): se for g, se in gate["difference_se"].items()},
             modifier.gamma_evidence,
@@ -235,12 +236,96 @@ def test_whisper_candidates_in_one_batch_are_the_per_module_solves(
         for got_weights, expected_weights in zip(got, expected, strict=True):
             for module in group:
                 assert torch.equal(got_weights[module], expected_weights[module])
-        groups.append(len(group))
+        groups.append((len(group), len(gammas)))
         return got
 
     monkeypatch.setattr(WhisperModifier, "candidate_weights", checked)
     run_oneshot([WhisperModifier(gamma="auto", **structure)])
-    assert groups == [2] * 5  # gate and up of each layer
+    candidates = len(WhisperModifier.GAMMA_CANDIDATES)
+    assert [g for g in groups if g[1] == candidates] == [(2, candidates)] * 5  # gate and up
+    assert all(g == (2, 1) for g in groups if g[1] != candidates)  # a model check's solve
+
+
+# -- the model check -------------------------------------------------------------------
+
+
+def test_sequence_losses_are_the_models_loss(tokenizer, calibration):
+    """Each sequence's mean next-token loss, computed from the decoder and the LM head's
+    weight, is what the model's own forward gives, also inside llmcompressor's
+    calibration context (where the LM head's forward is disabled); an attention mask
+    leaves out the masked tokens."""
+    from llmcompressor.utils.helpers import calibration_forward_context
+
+    model = load_model()
+    sequences = [(torch.tensor(row["input_ids"]), None) for row in calibration.select(range(3))]
+    expected = [float(model(input_ids=ids[None], labels=ids[None]).loss) for ids, _ in sequences]
+    assert sequence_losses(model, sequences).tolist() == pytest.approx(expected, rel=1e-5)
+    with calibration_forward_context(model):
+        assert sequence_losses(model, sequences).tolist() == pytest.approx(expected, rel=1e-5)
+    ids = sequences[0][0]
+    mask = torch.ones_like(ids)
+    mask[-10:] = 0  # right padding
+    masked = sequence_losses(model, [(ids, mask)])
+    short = float(model(input_ids=ids[None, :-10], labels=ids[None, :-10]).loss)
+    assert masked.tolist() == pytest.approx([short], rel=1e-5)
+
+
+def test_held_out_sequences_follow_the_global_index():
+    batches = [{"input_ids": torch.arange(6).reshape(2, 3) + 10 * b} for b in range(3)]
+    picked = held_out_sequences(batches, 0, lambda row: held_out_fold(row, 4))
+    assert [int(ids[0]) for ids, _ in picked] == [13]  # global index 3 only
+    shifted = held_out_sequences(batches, 3, lambda row: held_out_fold(row, 4))  # rank offset 3
+    assert [int(ids[0]) for ids, _ in shifted] == [0, 20]  # global indices 3 and 7
+
+
+@pytest.mark.parametrize("kept", ["chosen", "reference"])
+def test_model_check_keeps_the_baseline_or_swaps_in_the_chosen_weights(
+    run_oneshot, monkeypatch, kept
+):
+    """With the model check, a layer that leaves gamma 1 is solved and propagated at
+    gamma 1, so the model after the last layer is Wanda's, bit for bit; the check then
+    compares it with the chosen weights swapped in (losses forced here). Kept, the model
+    is Wanda's; swapped, the modules that left gamma 1 carry the unchecked run's weights
+    (with the least-error rule, layer 1 of stories260K leaves gamma 1 and, layer 0
+    keeping it, is solved on the same inputs) and every other weight is Wanda's."""
+    import whisper_modifiers.modifiers.model_check as model_check
+
+    calls = []
+
+    def forced(model, sequences):
+        calls.append(len(sequences))
+        reference_first = len(calls) == 1
+        lower = (kept == "reference") == reference_first
+        return torch.full((len(sequences),), 1.0 if lower else 2.0, dtype=torch.float64)
+
+    monkeypatch.setattr(model_check, "sequence_losses", forced)
+    fields = {"gamma": "auto", "gamma_evidence": 0.0, **TWO_FOUR}
+    unchecked = WispModifier(gamma_model_check=False, **fields)
+    plain = linear_weights(run_oneshot([unchecked]))
+    checked = WispModifier(**fields)
+    weights = linear_weights(run_oneshot([checked]))
+    assert calls == [2, 2]  # the held-out sequences (every 4th of 8), twice
+    layer1 = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+    first = [name for name, c in unchecked.gamma_selection().items() if c["gamma"] != 1.0][:2]
+    assert first == layer1
+    selection = checked.gamma_selection()
+    moved = [name for name, choice in selection.items() if choice["chosen_gamma"] != 1.0]
+    assert moved[:2] == layer1  # later layers see other inputs, so may choose otherwise
+    for name in GATE_UP:
+        choice = selection[name]
+        assert ("model_check" in choice) == (name in moved)
+        if name in moved:
+            assert choice["model_check"]["kept"] == kept
+            assert choice["gamma"] == (1.0 if kept == "reference" else choice["chosen_gamma"])
+    assert [selection[n]["chosen_gamma"] for n in layer1] == [
+        unchecked.gamma_selection()[n]["gamma"] for n in layer1
+    ]
+    wanda = linear_weights(run_oneshot([WandaPruningModifier(ignore=STOCK_IGNORE, **TWO_FOUR)]))
+    if kept == "reference":
+        assert_same_weights(weights, wanda)
+        return
+    assert_same_weights({name: weights[name] for name in layer1}, plain)
+    assert_same_weights({n: w for n, w in weights.items() if n not in moved}, wanda)
 
 
 def test_held_out_sequences_are_every_kth_global_index():
@@ -282,7 +367,7 @@ def test_k_fold_auto_measures_every_fold(run_oneshot, ours):
     assert sorted(selection) == sorted(GATE_UP)
     for choice in selection.values():
         assert len(choice["fold_gammas"]) == 4
-        assert choice["gamma"] == choose_gamma(
+        assert choice.get("chosen_gamma", choice["gamma"]) == choose_gamma(
             {float(g): e for g, e in choice["held_out_error"].items()},
             {float(g): se for g, se in choice["difference_se"].items()},
             one.gamma_evidence,
@@ -315,7 +400,7 @@ def test_k_fold_errors_are_the_slow_fold_loop(run_oneshot, monkeypatch):
 
     def recording(self, group, gammas):
         gate = group[0]
-        if self._module_names[gate] == "model.layers.0.mlp.gate_proj":
+        if self._module_names[gate] == "model.layers.0.mlp.gate_proj" and len(gammas) > 1:
             seen.append(self._plain_norms[gate].clone())
         return original(self, group, gammas)
 
@@ -324,7 +409,8 @@ def test_k_fold_errors_are_the_slow_fold_loop(run_oneshot, monkeypatch):
     name = f"{LAYER0}.mlp.gate_proj"
     inputs = record_inputs(model, [name])
     run_oneshot([WispModifier(gamma="auto", gamma_folds=4, **TWO_FOUR)], model=model)
-    sequences = [x[0] for x in calibration_inputs(inputs[name])]
+    recorded = inputs[name][: 2 * NUM_SEQUENCES]  # a model check's forwards come after
+    sequences = [x[0] for x in calibration_inputs(recorded)]
     assert len(seen) == 4
     for fold, statistic in enumerate(seen):
         others = [[x] for i, x in enumerate(sequences) if i % 4 != fold]
@@ -538,6 +624,7 @@ def test_a_candidate_leaves_the_baseline_only_on_evidence():
         ({"gamma": "auto", "gamma_folds": 5}, "gamma_folds must be between 1 and holdout_every"),
         ({"gamma": "auto", "gamma_evidence": -1.0}, "gamma_evidence"),
         ({"gamma": "auto", "gamma_criterion": "median"}, "gamma_criterion"),
+        ({"gamma": "auto", "gamma_model_check": "maybe"}, "gamma_model_check"),
     ],
 )
 @pytest.mark.parametrize("ours", [WispModifier, WhisperModifier], ids=lambda c: c.__name__)

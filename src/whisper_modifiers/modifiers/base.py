@@ -96,6 +96,12 @@ class DifferencePruningBase(
         ``"relative"`` (each token's output error against its dense output's squared
         norm, averaged over tokens) or ``"absolute"`` (squared errors summed over tokens);
         ``selection.sequence_error``.
+    :param gamma_model_check: with ``gamma: auto``, the layers whose gamma was chosen
+        other than the reference (gamma 1) are solved and propagated at the reference, so
+        the model after the last layer is the baseline's; the chosen weights are swapped
+        in only if they lower the held-out sequences' language-model loss by more than
+        ``gamma_evidence`` standard errors (``model_check``). ``False``: each layer keeps
+        its choice at once.
     """
 
     difference_targets: list[str] = Field(default_factory=lambda: list(DEFAULT_DIFFERENCE_TARGETS))

@@ -11,6 +11,9 @@ rule); this mixin is its calibration glue for ``DifferencePruningBase``:
   chooses each group's gamma from all folds' errors: a gated MLP's gate and up
   projections together, by the error of the MLP block's output
   (``selection.select_gamma``);
+* a group whose choice left gamma 1 is solved and propagated at gamma 1 until the model
+  check (``model_check``) decides, after the last layer, whether its chosen weights
+  replace the baseline's;
 * ``gamma_selection()`` and whisper-prune's record keep the choices.
 
 It relies on the host modifier's routing (``is_difference_module``, ``_module_names``,
@@ -27,13 +30,14 @@ import torch
 from compressed_tensors.utils import align_module_device, get_execution_device
 from llmcompressor.core import Event, State
 from loguru import logger
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from whisper_modifiers.modifiers.distributed import (
     all_reduce_sum,
     reduce_statistics,
     statistic_names,
 )
+from whisper_modifiers.modifiers.model_check import ModelCheck
 from whisper_modifiers.modifiers.statistic_sets import (
     copy_statistics,
     restored_statistics,
@@ -55,7 +59,7 @@ Gamma = Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"]
 """A mixing weight in [0, 1], or ``"auto"``: chosen per module (``selection``)."""
 
 
-class GammaAuto(BaseModel):
+class GammaAuto(ModelCheck):
     """The ``gamma`` fields of a difference modifier and ``gamma: auto``'s selection
     (the fields are documented on ``DifferencePruningBase``)."""
 
@@ -186,8 +190,11 @@ class GammaAuto(BaseModel):
                 reduce_statistics(self)
                 for index, (group, mlp) in enumerate(groups):
                     errors[index].append(self._fold_errors(group, mlp, held, fold))
+        reference = max(self.candidate_gammas())
         for index, (group, _) in enumerate(groups):
-            self._choose(group, errors[index])
+            chosen = self._choose(group, errors[index])
+            if chosen != reference:
+                self.defer_choice(group, chosen, reference)  # model_check
 
     def _replay(self, held: dict[torch.nn.Module, list], names: list[str]) -> dict[int, dict]:
         """Calibrate on the held-out sequences again, in index order, each module in
@@ -246,8 +253,8 @@ class GammaAuto(BaseModel):
         pruned = self.candidate_weights(group, self.candidate_gammas())
         return self._held_out_errors(group, mlp, inputs, pruned)
 
-    def _choose(self, group: list, fold_errors: list[torch.Tensor]):
-        """Choose and record ``group``'s gamma from every fold's errors."""
+    def _choose(self, group: list, fold_errors: list[torch.Tensor]) -> float:
+        """Choose, record and return ``group``'s gamma from every fold's errors."""
         best, errors, standard_errors, fold_choices = select_gamma(
             self.candidate_gammas(), fold_errors, self.gamma_evidence, all_reduce_sum
         )
@@ -255,6 +262,7 @@ class GammaAuto(BaseModel):
             self._chosen_gammas[module] = best
             self._gamma_record[self._module_names[module]] = {
                 "gamma": best,
+                "chosen_gamma": best,
                 "held_out_error": {str(gamma): error for gamma, error in errors.items()},
                 "difference_se": {str(g): se for g, se in standard_errors.items()},
                 "fold_gammas": fold_choices,
@@ -265,6 +273,7 @@ class GammaAuto(BaseModel):
             f"errors of their difference to {max(errors)} {standard_errors}; each fold "
             f"alone: {fold_choices})"
         )
+        return best
 
     def _held_out_errors(self, group, mlp, inputs, candidates: list[dict]) -> torch.Tensor:
         """Each candidate's gated MLP block output error (or the module's own) on each of
@@ -288,8 +297,15 @@ class GammaAuto(BaseModel):
         self._held_of_input = None  # release the layer's last batch
         super().on_sequential_epoch_end(state, event, **kwargs)
 
+    def on_calibration_end(self, state: State, event: Event, **kwargs):
+        """After the last layer: ``gamma: auto``'s model check (``model_check``)."""
+        if self.gamma == "auto":
+            self.check_model(state.model, state.data.calib)
+        super().on_calibration_end(state, event, **kwargs)
+
     def _reset_gamma_auto(self):
         self._held_of_input = None
         self._held_inputs = dict()
         self._gated_mlps = dict()
+        self._chosen_weights = dict()
         self._chosen_gammas = dict()
