@@ -165,7 +165,7 @@ def test_auto_is_deterministic_and_recorded(run_oneshot, ours):
         gate, up = (selection[f"model.layers.{i}.mlp.{part}"] for part in ("gate_proj", "up_proj"))
         assert gate == up  # one choice for the gated pair
         assert list(gate["held_out_error"]) == list(gate["difference_se"]) == candidates
-        assert gate.get("chosen_gamma", gate["gamma"]) == choose_gamma(
+        assert gate["chosen_gamma"] == choose_gamma(
             {float(g): e for g, e in gate["held_out_error"].items()},
             {float(g): se for g, se in gate["difference_se"].items()},
             modifier.gamma_evidence,
@@ -367,7 +367,7 @@ def test_k_fold_auto_measures_every_fold(run_oneshot, ours):
     assert sorted(selection) == sorted(GATE_UP)
     for choice in selection.values():
         assert len(choice["fold_gammas"]) == 4
-        assert choice.get("chosen_gamma", choice["gamma"]) == choose_gamma(
+        assert choice["chosen_gamma"] == choose_gamma(
             {float(g): e for g, e in choice["held_out_error"].items()},
             {float(g): se for g, se in choice["difference_se"].items()},
             one.gamma_evidence,

@@ -64,12 +64,13 @@ class ModelCheck(BaseModel):
     def defer_choice(self, group: list[torch.nn.Module], chosen: float, reference: float):
         """With the model check on: solve ``group`` at its ``chosen`` gamma with the
         statistics held now and keep the weights (on the CPU) for the check, and have the
-        layer solved, and propagated, at the ``reference``."""
+        layer solved, propagated and recorded at the ``reference`` until the check."""
         if not self.gamma_model_check:
             return
         for module, weight in self.candidate_weights(group, [chosen])[0].items():
             self._chosen_weights[module] = weight.detach().to("cpu", copy=True)
             self._chosen_gammas[module] = reference
+            self._gamma_record[self._module_names[module]]["gamma"] = reference
 
     def check_model(self, model: torch.nn.Module, dataloader: Iterable | None) -> None:
         """Keep the baseline's model, or swap in the chosen weights (module docstring).
