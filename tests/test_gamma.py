@@ -292,7 +292,7 @@ def test_model_check_keeps_the_baseline_or_swaps_in_the_chosen_weights(
 
     calls = []
 
-    def forced(model, sequences):
+    def forced(model, sequences, *start):
         calls.append(len(sequences))
         reference_first = len(calls) == 1
         lower = (kept == "reference") == reference_first
@@ -326,6 +326,42 @@ def test_model_check_keeps_the_baseline_or_swaps_in_the_chosen_weights(
         return
     assert_same_weights({name: weights[name] for name in layer1}, plain)
     assert_same_weights({n: w for n, w in weights.items() if n not in moved}, wanda)
+
+
+@pytest.mark.parametrize(
+    ("modifier", "options"),
+    [
+        (WispModifier, {}),
+        (WispModifier, {"pipeline": "sequential"}),
+        (WispPlusModifier, {"propagate_error": False}),  # Wisp keeps gamma 1 everywhere
+    ],
+)
+def test_model_check_starts_from_the_propagated_hidden_states(
+    run_oneshot, monkeypatch, modifier, options
+):
+    """The model check's passes start where the pipeline's propagation pass left the
+    held-out sequences (the last layer for the baseline, the first deferred layer for the
+    chosen weights) and give the losses of passes from the embeddings; without a
+    propagation pass they start from the embeddings."""
+    import whisper_modifiers.modifiers.model_check as model_check
+
+    full_pass = model_check.sequence_losses
+    starts = []
+
+    def compared(model, sequences, skipped_layers=(), entering=()):
+        starts.append(len(skipped_layers))
+        losses = full_pass(model, sequences, skipped_layers, entering)
+        assert losses.tolist() == pytest.approx(full_pass(model, sequences).tolist(), rel=1e-6)
+        return losses
+
+    monkeypatch.setattr(model_check, "sequence_losses", compared)
+    checked = modifier(gamma="auto", gamma_evidence=0.0, **TWO_FOUR)
+    run_oneshot([checked], **options)
+    deferred = [int(name.split(".")[2]) for name, choice in checked.gamma_selection().items()
+                if choice["chosen_gamma"] != 1.0]  # fmt: skip
+    assert deferred and min(deferred) > 0
+    propagated = options.get("propagate_error", True)
+    assert starts == ([4, min(deferred)] if propagated else [0, 0])
 
 
 def test_held_out_sequences_are_every_kth_global_index():

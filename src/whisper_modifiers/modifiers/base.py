@@ -174,6 +174,8 @@ class DifferencePruningBase(
             self._module_sparsities[module] = sparsity
             self.register_hook(module, self._calibrate_finite, "forward")
         self.find_gated_mlps(state.model, modules)
+        if self.gamma == "auto":
+            self.watch_propagation(state.model)  # model_check
         logger.info(
             f"{type(self).__name__}: difference statistic on "
             f"{len(self._difference_modules)} of {len(modules)} modules"

@@ -295,7 +295,10 @@ class GammaAuto(ModelCheck):
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._held_of_input = None  # release the layer's last batch
+        solved = set(self._calibrated)
         super().on_sequential_epoch_end(state, event, **kwargs)
+        if self.gamma == "auto":
+            self.watch_layer_propagation(solved)  # model_check
 
     def on_calibration_end(self, state: State, event: Event, **kwargs):
         """After the last layer: ``gamma: auto``'s model check (``model_check``)."""
@@ -307,5 +310,5 @@ class GammaAuto(ModelCheck):
         self._held_of_input = None
         self._held_inputs = dict()
         self._gated_mlps = dict()
-        self._chosen_weights = dict()
         self._chosen_gammas = dict()
+        self._reset_model_check()

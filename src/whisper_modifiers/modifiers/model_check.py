@@ -21,15 +21,25 @@ much, whichever way, even where its block error fell. So, with ``gamma_model_che
   pooled over ranks); otherwise the model stays the baseline's.
 
 Both models saw the held-out sequences in their final statistics, so the check compares
-two models fitted alike on data both saw; it decides between the two, nothing more. It
-costs one more solve per module that left the reference and two forward passes of the
-model over the held-out sequences; nothing when no module left it.
+two models fitted alike on data both saw; it decides between the two, nothing more.
+
+Neither pass starts from the embeddings where it need not. The pipeline's propagation
+pass already ran the baseline's layers over the held-out sequences, so the hidden states
+that enter the last layer, and the first layer with a deferred module, are taken from it
+(plain forward hooks on the decoder layers, ``watch_propagation``): the baseline's pass
+runs only the last layer and what follows it, the chosen weights' pass starts at the
+first deferred layer. Where the propagation pass was not watched (``propagate_error``
+off, several layers per subgraph, a model whose layers are not one chain:
+``layerwise_pipeline.chain_fault``), that pass starts from the embeddings. The check
+costs one more solve per module that left the reference, the held-out hidden states of
+two layers on the CPU, and those passes; nothing when no module left it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +53,7 @@ from loguru import logger
 from pydantic import BaseModel, PrivateAttr
 
 from whisper_modifiers.modifiers.distributed import all_reduce_sum, sequence_offset
+from whisper_modifiers.modifiers.layerwise_pipeline import chain_fault, recording_layers
 from whisper_modifiers.selection import select_gamma
 
 __all__ = ["ModelCheck", "held_out_sequences", "sequence_losses"]
@@ -60,6 +71,82 @@ class ModelCheck(BaseModel):
     gamma_model_check: bool = True
 
     _chosen_weights: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
+    _layers: list[torch.nn.Module] = PrivateAttr(default_factory=list)
+    _layer_of: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
+    _watch_handles: list = PrivateAttr(default_factory=list)
+    _watched: int | None = PrivateAttr(default=None)
+    _watched_row: int = PrivateAttr(default=0)
+    _entering: dict[int, list[torch.Tensor]] = PrivateAttr(default_factory=dict)
+    _first_deferred: int | None = PrivateAttr(default=None)
+
+    def watch_propagation(self, model: torch.nn.Module) -> None:
+        """With the check on: a plain forward hook on each decoder layer but the last (the
+        pipelines run the propagation pass with llmcompressor's hooks off) that keeps the
+        held-out sequences' outputs of a layer's propagation pass: the hidden states
+        entering the next layer (module docstring)."""
+        if not self.gamma_model_check:
+            return
+        layers = getattr(model.get_decoder(), "layers", None)
+        self._layers = list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+        for index, layer in enumerate(self._layers):
+            self._layer_of.update(dict.fromkeys(layer.modules(), index))
+            if index + 1 < len(self._layers):
+                hook = partial(self._keep_entering, index + 1)
+                self._watch_handles.append(layer.register_forward_hook(hook))
+
+    def watch_layer_propagation(self, solved: Iterable[torch.nn.Module]) -> None:
+        """After a layer's solve (``solved``: its modules), watch its propagation pass;
+        keep what entered the first deferred layer and what enters the last."""
+        indices = [self._layer_of[module] for module in solved if module in self._layer_of]
+        if not indices:
+            return
+        self._watched, self._watched_row = max(indices), sequence_offset()
+        keep = {self._first_deferred, len(self._layers) - 1} - {self._watched + 1}
+        self._entering = {index: rows for index, rows in self._entering.items() if index in keep}
+
+    def _keep_entering(self, index: int, layer, args, output) -> None:
+        if self._watched != index - 1:
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        for sequence in hidden if hidden.dim() == 3 else hidden.unsqueeze(0):
+            if self._fold_of(self._watched_row) is not None:
+                rows = self._entering.setdefault(index, [])
+                rows.append(sequence.detach().to("cpu", copy=True))
+            self._watched_row += 1
+
+    def stop_watching(self) -> None:
+        for handle in self._watch_handles:
+            handle.remove()
+        self._watch_handles, self._watched = [], None
+
+    def _entries(self, model: torch.nn.Module, sequences: list) -> tuple[tuple, tuple]:
+        """``sequence_losses``' start of the baseline's pass (the last layer) and of the
+        chosen weights' pass (the first deferred layer): ``(layers skipped, hidden states
+        entering the next)``, or ``()`` (from the embeddings) where the propagation pass
+        did not give exactly the held-out sequences' hidden states there."""
+        entering, self._entering = self._entering, dict()
+        if not entering or not sequences:
+            return (), ()
+        device = get_execution_device(model.get_input_embeddings())
+        ids, mask = sequences[0]
+        batch = {"input_ids": ids.unsqueeze(0).to(device)}
+        if mask is not None:
+            batch["attention_mask"] = mask.unsqueeze(0).to(device)
+        if chain_fault(model, self._layers, batch):
+            return (), ()
+
+        def entry(index: int | None) -> tuple:
+            rows = entering.get(index)
+            if not index or rows is None or len(rows) != len(sequences):
+                return ()
+            return self._layers[:index], rows
+
+        return entry(len(self._layers) - 1), entry(self._first_deferred)
+
+    def _reset_model_check(self) -> None:
+        self.stop_watching()
+        self._chosen_weights, self._entering = dict(), dict()
+        self._layers, self._layer_of, self._first_deferred = [], dict(), None
 
     def defer_choice(self, group: list[torch.nn.Module], chosen: float, reference: float):
         """With the model check on: solve ``group`` at its ``chosen`` gamma with the
@@ -67,6 +154,9 @@ class ModelCheck(BaseModel):
         layer solved, propagated and recorded at the ``reference`` until the check."""
         if not self.gamma_model_check:
             return
+        first = min(self._layer_of.get(module, 0) for module in group)
+        if self._first_deferred is None or first < self._first_deferred:
+            self._first_deferred = first
         for module, weight in self.candidate_weights(group, [chosen])[0].items():
             self._chosen_weights[module] = weight.detach().to("cpu", copy=True)
             self._chosen_gammas[module] = reference
@@ -77,16 +167,19 @@ class ModelCheck(BaseModel):
         Every rank holds the same deferred modules, so every rank takes part in the same
         collectives."""
         chosen, self._chosen_weights = self._chosen_weights, dict()
+        self.stop_watching()
         if not chosen:
+            self._entering = dict()
             return
         if dataloader is None:
             raise ValueError("gamma_model_check needs the calibration dataloader (oneshot's)")
         start = time.perf_counter()
         sequences = held_out_sequences(dataloader, sequence_offset(), self._fold_of)
+        last, first = self._entries(model, sequences)
         reference = {module: module.weight.detach().to("cpu", copy=True) for module in chosen}
-        reference_losses = sequence_losses(model, sequences)
+        reference_losses = sequence_losses(model, sequences, *last)
         _write(chosen)
-        chosen_losses = sequence_losses(model, sequences)
+        chosen_losses = sequence_losses(model, sequences, *first)
         verdict, means, standard_errors, _ = select_gamma(
             [0.0, 1.0], [torch.stack([chosen_losses, reference_losses])], self.gamma_evidence,
             all_reduce_sum,
@@ -134,20 +227,33 @@ def held_out_sequences(dataloader: Iterable, offset: int, fold_of) -> list[tuple
 
 
 @torch.no_grad()
-def sequence_losses(model: torch.nn.Module, sequences: list[tuple]) -> torch.Tensor:
+def sequence_losses(
+    model: torch.nn.Module,
+    sequences: list[tuple],
+    skipped: list[torch.nn.Module] = (),
+    entering: list[torch.Tensor] = (),
+) -> torch.Tensor:
     """Each sequence's mean next-token negative log-likelihood under ``model`` (float64,
     ``[sequences]``), with the calibration hooks off. The logits are computed here from
     the decoder's last hidden state and the LM head's weight, chunk by chunk, so that
     this works inside llmcompressor's calibration context (which disables the LM head's
-    forward) and with a large vocabulary."""
+    forward) and with a large vocabulary. With ``skipped`` (the first decoder layers),
+    those layers are not run: the decoder goes on from ``entering`` (each sequence's
+    hidden state after them, ``[tokens, d]``)."""
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     device = get_execution_device(model.get_input_embeddings())
     losses = []
     with HooksMixin.disable_hooks(), align_module_device(head):
-        for ids, mask in sequences:
+        for index, (ids, mask) in enumerate(sequences):
             batch_mask = None if mask is None else mask.unsqueeze(0).to(device)
-            hidden = decoder(input_ids=ids.unsqueeze(0).to(device), attention_mask=batch_mask)
+            after = entering[index].unsqueeze(0).to(device) if skipped else None
+
+            def replay(layer_index, hidden, after=after):
+                return after if layer_index == len(skipped) - 1 else hidden
+
+            with recording_layers(list(skipped), [], replay):
+                hidden = decoder(input_ids=ids.unsqueeze(0).to(device), attention_mask=batch_mask)
             hidden = hidden.last_hidden_state[0, :-1]
             targets = ids[1:].to(hidden.device)
             valid = torch.ones_like(targets, dtype=torch.bool)
