@@ -95,13 +95,16 @@ class ModelCheck(BaseModel):
                 self._watch_handles.append(layer.register_forward_hook(hook))
 
     def watch_layer_propagation(self, solved: Iterable[torch.nn.Module]) -> None:
-        """After a layer's solve (``solved``: its modules), watch its propagation pass;
-        keep what entered the first deferred layer and what enters the last."""
+        """After a layer's solve (``solved``: its modules), watch its propagation pass
+        while what it feeds can still be needed (no layer deferred yet, or the last layer
+        next); keep what entered the first deferred layer and what enters the last."""
         indices = [self._layer_of[module] for module in solved if module in self._layer_of]
         if not indices:
             return
-        self._watched, self._watched_row = max(indices), sequence_offset()
-        keep = {self._first_deferred, len(self._layers) - 1} - {self._watched + 1}
+        solved_layer, last = max(indices), len(self._layers) - 1
+        needed = self._first_deferred is None or solved_layer + 1 == last
+        self._watched, self._watched_row = (solved_layer if needed else None), sequence_offset()
+        keep = {self._first_deferred, last} - {solved_layer + 1}
         self._entering = {index: rows for index, rows in self._entering.items() if index in keep}
 
     def _keep_entering(self, index: int, layer, args, output) -> None:
@@ -119,12 +122,11 @@ class ModelCheck(BaseModel):
             handle.remove()
         self._watch_handles, self._watched = [], None
 
-    def _entries(self, model: torch.nn.Module, sequences: list) -> tuple[tuple, tuple]:
+    def _entries(self, model: torch.nn.Module, sequences: list, entering: dict) -> tuple:
         """``sequence_losses``' start of the baseline's pass (the last layer) and of the
         chosen weights' pass (the first deferred layer): ``(layers skipped, hidden states
         entering the next)``, or ``()`` (from the embeddings) where the propagation pass
-        did not give exactly the held-out sequences' hidden states there."""
-        entering, self._entering = self._entering, dict()
+        (``entering``) did not give exactly the held-out sequences' hidden states there."""
         if not entering or not sequences:
             return (), ()
         device = get_execution_device(model.get_input_embeddings())
@@ -167,15 +169,15 @@ class ModelCheck(BaseModel):
         Every rank holds the same deferred modules, so every rank takes part in the same
         collectives."""
         chosen, self._chosen_weights = self._chosen_weights, dict()
+        entering, self._entering = self._entering, dict()
         self.stop_watching()
         if not chosen:
-            self._entering = dict()
             return
         if dataloader is None:
             raise ValueError("gamma_model_check needs the calibration dataloader (oneshot's)")
         start = time.perf_counter()
         sequences = held_out_sequences(dataloader, sequence_offset(), self._fold_of)
-        last, first = self._entries(model, sequences)
+        last, first = self._entries(model, sequences, entering)
         reference = {module: module.weight.detach().to("cpu", copy=True) for module in chosen}
         reference_losses = sequence_losses(model, sequences, *last)
         _write(chosen)
