@@ -14,6 +14,7 @@ Writes ``serving.md`` and ``serving.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -29,6 +30,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
+CPU_KINDS = ("AVX2 only", "AVX-512", "AVX-512/AMX")  # how cpu_kind() names them
+EMULATED_LIMIT = 900  # seconds for vLLM's emulated FP8 run; on AMX it did not finish in 1200
 RECIPES = ["whisper_2of4", "whisper_2of4_w8a8", "whisper_2of4_fp8", "whisper_2of4_w4a16"]
 PROMPTS = [
     "The capital of France is",
@@ -51,7 +54,7 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
         ServingUnavailable,
         run_vllm,
         scores_perplexity,
-        serving_dtype,
+        serving_plan,
     )
 
     model = load_checkpoint(directory).eval()
@@ -66,20 +69,25 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
         ]
     row = {"bytes": checkpoint_bytes(directory), "transformers_ppl": reference_ppl}
     try:  # float32 where vLLM has kernels for it, as transformers runs; else what vLLM needs
-        needed = serving_dtype(directory)
+        plan = serving_plan(directory)
     except ServingUnavailable as error:  # this CPU's vLLM build lacks the scheme's kernels
         return row | {"served": False, "vllm_dtype": "–", "error": str(error).split(";")[0]}
-    row["vllm_dtype"] = "float32" if needed == "auto" else needed
+    row["vllm_dtype"] = "float32" if plan.dtype == "auto" else plan.dtype
     start = time.perf_counter()
     try:
         served = run_vllm(directory, prompts=prompts, score=windows, max_tokens=max_tokens,
                           dtype=row["vllm_dtype"])  # fmt: skip
-    except RuntimeError as error:
+    except RuntimeError as error:  # WorkerFailed: how the worker ended and its last lines
         errors = [line for line in str(error).splitlines() if "Error" in line]
         return row | {"served": False, "error": (errors or [str(error)])[-1].strip()}
+    generated = sum(len(tokens) for tokens in served["completions"])
+    scored = sum(len(window) for window in windows)
     return row | {
         "served": True,
+        "notes": list(plan.notes),
         "vllm_seconds": time.perf_counter() - start,
+        "prefill_tokens_per_s": scored / served["seconds"]["score"],
+        "decode_tokens_per_s": generated / served["seconds"]["generate"],
         "vllm_ppl": scores_perplexity(served["scores"]),
         "equal_greedy_prompts": sum(
             a == b for a, b in zip(served["completions"], reference, strict=True)
@@ -87,6 +95,45 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
         "prompts": len(prompts),
         "sample": {"prompt": PROMPTS[0], "completion": tokenizer.decode(served["completions"][0])},
     }
+
+
+def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
+    """What vLLM alone does with an FP8 chain on a CPU whose FP8 path is its emulation:
+    the chain's dense layout (which the plugin does not load) run by vLLM's own
+    compressed-tensors kernels, bypassing ``serving_plan``'s refusal, bounded in time."""
+    from whisper_modifiers.serving.worker_process import WorkerFailed, run_worker, serving_python
+    from whisper_modifiers.sparse_serving.layout import write_dense_layout
+
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    with tempfile.TemporaryDirectory() as tmp:
+        dense = write_dense_layout(directory, Path(tmp) / "dense")
+        request = {"model": str(dense), "dtype": "bfloat16", "max_tokens": max_tokens,
+                   "max_model_len": max(len(w) for w in windows) + 1, "prompts": prompts,
+                   "score": [list(map(int, w)) for w in windows]}  # fmt: skip
+        try:
+            served = run_worker(request, serving_python(), EMULATED_LIMIT, "emulated FP8")
+        except WorkerFailed as error:
+            return {"served": False, "error": f"vLLM's emulated FP8 ({error.ending})"}
+    return {
+        "served": True,
+        "vllm_dtype": "bfloat16",
+        "prefill_tokens_per_s": sum(map(len, windows)) / served["seconds"]["score"],
+        "decode_tokens_per_s": sum(map(len, served["completions"])) / served["seconds"]["generate"],
+    }
+
+
+def cpu_kind() -> tuple[str, str]:
+    """This CPU's kind (one of ``CPU_KINDS``) and how the serving table names it."""
+    from whisper_modifiers.serving.probe import cpu_flags, cpu_model
+
+    flags = set(cpu_flags().split(":", 1)[-1].split())
+    if {"amx_int8", "amx_bf16"} <= flags:
+        kind, detail = "AVX-512/AMX", ""
+    elif "avx512f" in flags:
+        kind, detail = "AVX-512", " VNNI" * ("avx512_vnni" in flags) + ", no AMX"
+    else:
+        kind, detail = "AVX2 only", ""
+    return kind, f"{kind}{detail} ({cpu_model()}, {os.cpu_count()} cores)"
 
 
 def main(argv=None) -> int:
@@ -98,10 +145,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     quiet_logs()
 
+    from whisper_modifiers.serving.probe import capabilities
+
     source, tokenizer, calibration, evaluation, ids = wikitext_setup(args.model)
     from whisper_modifiers.evaluation import evaluation_windows
 
     windows = evaluation_windows(ids, args.eval_seq_len, args.eval_windows)
+    emulated = capabilities()["fp8_dynamic_kernel"].endswith("(emulated)")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in args.recipes:
@@ -110,46 +160,89 @@ def main(argv=None) -> int:
                                    "--eval-seq-len", str(args.eval_seq_len))  # fmt: skip
             rows[recipe] = measure(out, tokenizer, windows, args.max_tokens)
             print(recipe, rows[recipe], flush=True)
+            if emulated and "fp8" in recipe:
+                rows[recipe]["vllm_emulated_fp8"] = emulated_fp8_speed(out, tokenizer, windows,
+                                                                       args.max_tokens)  # fmt: skip
+                print(recipe, "vLLM's emulated FP8:", rows[recipe]["vllm_emulated_fp8"])
+    path = args.out / "serving.json"
+    runs = previous_runs(path) if path.is_file() else {}
+    kind, name = cpu_kind()
+    runs[name] = {"kind": kind, "date": time.strftime("%Y-%m-%d"), "recipes": rows}
     report = {
         "config": vars(args) | {"out": str(args.out), "model": str(source)},
         "source_bytes": checkpoint_bytes(source),
-        "recipes": rows,
+        "runs": runs,
     }
-    write_json(args.out / "serving.json", report)
+    write_json(path, report)
     (args.out / "serving.md").write_text(markdown(report, args))
     print(markdown(report, args))
     return 0
 
 
+def previous_runs(path: Path) -> dict:
+    """The runs on other CPUs that ``path`` holds (one run of the older single-CPU shape,
+    measured on an AVX2-only EPYC, comes in under that name)."""
+    import json
+
+    report = json.loads(path.read_text())
+    if "runs" in report:
+        return report["runs"]
+    return {"AVX2 only (AMD EPYC, 2 cores)": {"kind": "AVX2 only", "date": "2026-11-23",
+                                              "recipes": report["recipes"]}}  # fmt: skip
+
+
 def markdown(report, args) -> str:
     mib = 2**20
+    measured = {run["kind"] for run in report["runs"].values()}
+    unmeasured = ", ".join(kind for kind in CPU_KINDS if kind not in measured) or "none"
     lines = [
         "# Serving benchmark",
         "",
-        f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/serving.py` on "
-        f"`{Path(report['config']['model']).name}`: calibration {args.num_sequences} × "
-        f"{args.seq_len} tokens; perplexity on the first {args.eval_windows} "
-        f"{args.eval_seq_len}-token windows of WikiText-2 test, by transformers (weights "
-        f"dequantized) and by vLLM (`prompt_logprobs`); greedy tokens compared on "
-        f"{len(PROMPTS)} prompts × {args.max_tokens} tokens. The source model's weights take "
-        f"{report['source_bytes'] / mib:.0f} MiB.",
+        f"`benchmarks/serving.py` on `{Path(report['config']['model']).name}`, one run per "
+        f"kind of CPU: calibration {args.num_sequences} × {args.seq_len} tokens; perplexity on "
+        f"the first {args.eval_windows} {args.eval_seq_len}-token windows of WikiText-2 test, "
+        "by transformers (`load_checkpoint`: weights dequantized, compressed-tensors' "
+        "activation quantization) and by vLLM (`prompt_logprobs`); greedy tokens compared on "
+        f"{len(PROMPTS)} prompts × {args.max_tokens} tokens. Throughput is vLLM's, in-process "
+        f"on all cores: scoring (prefill with `prompt_logprobs`) of the {args.eval_windows} "
+        f"windows at once, and greedy decoding of the {len(PROMPTS)} prompts at once. The "
+        f"source model's weights take {report['source_bytes'] / mib:.0f} MiB. Not measured: "
+        + unmeasured
+        + ".",
         "",
-        "| recipe | size (MiB) | vs source | vLLM (CPU) | vLLM dtype | ppl transformers "
-        "| ppl vLLM | greedy tokens equal |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU | recipe | size (MiB) | vs source | vLLM | vLLM dtype | ppl transformers "
+        "| ppl vLLM | greedy tokens equal | scoring tok/s | decode tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for recipe, r in report["recipes"].items():
-        served = "serves" if r["served"] else f"fails: {r['error']}"
-        lines.append(
-            f"| {recipe} | {r['bytes'] / mib:.0f} | {r['bytes'] / report['source_bytes']:.2f}× | "
-            f"{served} | {r['vllm_dtype']} | {r['transformers_ppl']:.2f} | "
-            + (
-                f"{r['vllm_ppl']:.2f} | {r['equal_greedy_prompts']}/{r['prompts']} |"
-                if r["served"]
-                else "– | – |"
-            )
-        )
+    for cpu, run in report["runs"].items():
+        for recipe, r in run["recipes"].items():
+            lines.append(row_markdown(f"{cpu}, {run['date']}", recipe, r, report["source_bytes"]))
+            if "vllm_emulated_fp8" in r:
+                emulated = r["vllm_emulated_fp8"] | {"bytes": r["bytes"]}
+                label = f"{recipe}, dense layout: vLLM's emulated FP8 alone"
+                lines.append(row_markdown("", label, emulated, report["source_bytes"]))
+    notes = {note for run in report["runs"].values() for r in run["recipes"].values()
+             for note in r.get("notes", [])}  # fmt: skip
+    lines += [""] + [f"- {note}." for note in sorted(notes)]
     return "\n".join(lines) + "\n"
+
+
+def row_markdown(cpu: str, recipe: str, r: dict, source_bytes: int) -> str:
+    mib = 2**20
+
+    def number(key, digits):
+        return f"{r[key]:.{digits}f}" if r.get(key) is not None else "–"
+
+    served = "serves" if r["served"] else f"fails: {r['error']}"
+    if r["served"] and r.get("notes"):
+        served += " (FP8 weights dequantized by the plugin)"
+    equal = f"{r['equal_greedy_prompts']}/{r['prompts']}" if "prompts" in r else "–"
+    return (
+        f"| {cpu} | {recipe} | {r['bytes'] / mib:.0f} | {r['bytes'] / source_bytes:.2f}× | "
+        f"{served} | {r.get('vllm_dtype', '–')} | {number('transformers_ppl', 2)} | "
+        f"{number('vllm_ppl', 2)} | {equal} | {number('prefill_tokens_per_s', 0)} | "
+        f"{number('decode_tokens_per_s', 1)} |"
+    )
 
 
 if __name__ == "__main__":

@@ -57,12 +57,14 @@ def compare(ours: dict, dense: dict) -> dict:
     }
 
 
-def measure(checkpoint: Path, prompts, windows, max_tokens: int, dtype: str | None) -> dict:
+def measure(checkpoint: Path, prompts, windows, max_tokens: int, dtype: str | None,
+            timeout: float) -> dict:  # fmt: skip
     from whisper_modifiers.serving import run_vllm, serving_dtype
     from whisper_modifiers.sparse_serving.layout import write_dense_layout
 
     dtype = dtype or serving_dtype(checkpoint)
-    run = {"prompts": prompts, "score": windows, "max_tokens": max_tokens, "dtype": dtype}
+    run = {"prompts": prompts, "score": windows, "max_tokens": max_tokens, "dtype": dtype,
+           "timeout": timeout}  # fmt: skip
     ours = run_vllm(checkpoint, **run)
     with tempfile.TemporaryDirectory() as tmp:
         dense = run_vllm(write_dense_layout(checkpoint, Path(tmp) / "dense"), **run)
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--timeout", type=float, default=1200,
+                        help="seconds one vLLM run may take before it is stopped")  # fmt: skip
     args = parser.parse_args(argv)
     quiet_logs()
 
@@ -94,7 +98,8 @@ def main(argv=None) -> int:
                 args.num_sequences, args.seq_len, "--layout", "compressed",
             )  # fmt: skip
         for name, checkpoint in checkpoints.items():
-            rows[name] = measure(checkpoint, windows, windows, args.max_tokens, args.dtype)
+            rows[name] = measure(checkpoint, windows, windows, args.max_tokens, args.dtype,
+                                 args.timeout)  # fmt: skip
             print(name, rows[name], flush=True)
     report = {"config": vars(args) | {"out": str(args.out), "model": str(source),
               "checkpoints": [str(p) for p in args.checkpoints or []]}, "rows": rows}  # fmt: skip

@@ -32,6 +32,17 @@ def pytest_configure(config):
         )
 
 
+def pytest_sessionstart(session):
+    """One line before any test, whatever the verbosity: this CPU's relevant flags and
+    which of vLLM's CPU ops the serving environment has, so that a red run on either kind
+    of CPU can be read from the log alone."""
+    from whisper_modifiers.serving import capabilities_line
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(capabilities_line())
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from transformers import AutoTokenizer

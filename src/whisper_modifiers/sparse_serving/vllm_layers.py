@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -21,6 +22,11 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
 from whisper_modifiers.sparse_serving.compile_key import note_layer
+from whisper_modifiers.sparse_serving.cpu_fp8 import (
+    EMULATED_FP8_NOTE,
+    dequantized_fp8_weight,
+    emulated_fp8,
+)
 from whisper_modifiers.sparse_serving.cpu_int8 import ExactInt8Linear, wants_exact_int8
 from whisper_modifiers.sparse_serving.format import (
     QUANT_METHOD,
@@ -30,13 +36,14 @@ from whisper_modifiers.sparse_serving.format import (
 from whisper_modifiers.sparse_serving.kernels import kernel_mode, serving_kernel
 
 __all__ = [
-    "QuantizedSparse24LinearMethod",
+    "QuantizedChainLinearMethod",
     "Sparse24Config",
     "Sparse24LinearMethod",
     "sparse24_dense_weight",
 ]
 
 _LEGACY_FORMAT = "sparse-24-bitmask"
+logger = init_logger(__name__)
 
 
 class Sparse24LinearMethod(UnquantizedLinearMethod):
@@ -75,14 +82,18 @@ class Sparse24LinearMethod(UnquantizedLinearMethod):
         return kernel.linear(x, bias)
 
 
-class QuantizedSparse24LinearMethod(LinearMethodBase):
-    """A W8A8 / FP8 chain's 2:4 layer: compressed-tensors' scheme for this layer
-    (``inner``, vLLM's own kernels), with its quantized weight loaded compressed and
-    decompressed before the scheme processes it."""
+class QuantizedChainLinearMethod(LinearMethodBase):
+    """A W8A8 / FP8 chain's quantized layer: compressed-tensors' scheme for this layer
+    (``inner``, vLLM's own kernels); if ``compressed``, its quantized weight is loaded
+    compressed and decompressed before the scheme processes it. Where vLLM's kernel for the
+    layer would not compute well on this CPU, the plugin's replacement runs instead:
+    ``cpu_int8.ExactInt8Linear`` where the oneDNN int8 GEMM saturates, and the weight
+    dequantized to the model's dtype (``cpu_fp8``) where FP8 has only the emulated path."""
 
-    def __init__(self, name: str, inner):
+    def __init__(self, name: str, inner, compressed: bool = True):
         self.name = name
         self.inner = inner
+        self.compressed = compressed
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        input_size, output_size, params_dtype,
@@ -90,6 +101,9 @@ class QuantizedSparse24LinearMethod(LinearMethodBase):
         self.inner.create_weights(layer, input_size_per_partition, output_partition_sizes,
                                   input_size, output_size, params_dtype,
                                   **extra_weight_attrs)  # fmt: skip
+        layer.sparse24_params_dtype = params_dtype
+        if not self.compressed:
+            return
         quantized = layer.weight  # the scheme's [out, in] int8 / float8 parameter
         del layer.weight
         layer.sparse24_weight_class = type(quantized)
@@ -99,18 +113,33 @@ class QuantizedSparse24LinearMethod(LinearMethodBase):
                              extra_weight_attrs["weight_loader"], extra)  # fmt: skip
 
     def process_weights_after_loading(self, layer) -> None:
-        weight = _take_dense_weight(layer)
-        try:  # vLLM's parameter class for it, as the scheme created it
-            parameter = layer.sparse24_weight_class(
-                data=weight, input_dim=1, output_dim=0, weight_loader=lambda *a: None
-            )
-        except TypeError:
-            parameter = torch.nn.Parameter(weight, requires_grad=False)
-        layer.register_parameter("weight", parameter)
+        if self.compressed:
+            weight = _take_dense_weight(layer)
+            try:  # vLLM's parameter class for it, as the scheme created it
+                parameter = layer.sparse24_weight_class(
+                    data=weight, input_dim=1, output_dim=0, weight_loader=lambda *a: None
+                )
+            except TypeError:
+                parameter = torch.nn.Parameter(weight, requires_grad=False)
+            layer.register_parameter("weight", parameter)
+        weight = layer.weight.data
+        widths = list(getattr(layer, "logical_widths", None) or [weight.shape[0]])
         if wants_exact_int8(layer):  # vLLM's int8 GEMM saturates on this CPU
-            widths = list(getattr(layer, "logical_widths", None) or [weight.shape[0]])
             layer.exact_int8 = ExactInt8Linear(weight, layer.weight_scale.data, widths)
             del layer.weight
+            return
+        if emulated_fp8(layer):  # vLLM's FP8 path here is torch._scaled_mm emulation
+            dtype = layer.sparse24_params_dtype
+            dense = dequantized_fp8_weight(weight, layer.weight_scale.data, widths, dtype)
+            logger.warning_once(EMULATED_FP8_NOTE.format(
+                kernel=type(layer.scheme.fp8_linear).__name__, dtype=str(dtype).split(".")[-1]
+            ))  # fmt: skip
+            for name in ("weight", "weight_scale", "input_scale"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+            layer.register_parameter("weight", torch.nn.Parameter(dense, requires_grad=False))
+            layer.dequantized_fp8 = UnquantizedLinearMethod()
+            layer.dequantized_fp8.process_weights_after_loading(layer)
             return
         self.inner.process_weights_after_loading(layer)
 
@@ -118,6 +147,9 @@ class QuantizedSparse24LinearMethod(LinearMethodBase):
         exact = getattr(layer, "exact_int8", None)
         if exact is not None:
             return exact(x, bias)
+        dequantized = getattr(layer, "dequantized_fp8", None)
+        if dequantized is not None:
+            return dequantized.apply(layer, x, bias)
         return self.inner.apply(layer, x, bias)
 
 
@@ -194,11 +226,9 @@ class Sparse24Config(QuantizationConfig):
         if self.quantization is not None:  # the chain's scheme for this layer
             self.quantization.packed_modules_mapping = self.packed_modules_mapping
             inner = self.quantization.get_quant_method(layer, prefix) or inner
-        if not compressed:
-            return inner
         if isinstance(inner, UnquantizedLinearMethod):
-            return Sparse24LinearMethod(prefix, get_current_vllm_config())
-        return QuantizedSparse24LinearMethod(prefix, inner)
+            return Sparse24LinearMethod(prefix, get_current_vllm_config()) if compressed else inner
+        return QuantizedChainLinearMethod(prefix, inner, compressed)
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -19,8 +19,10 @@ its measured dispatch to dense below the token counts where sparse loses
 vLLM's unquantized path (``UnquantizedLinearMethod``). In a W8A8 / FP8 chain (whose
 compressed-tensors config is nested in ours) the dense 8-bit weight goes to
 compressed-tensors' scheme for the layer with its int8 / float8 kernels
-(``QuantizedSparse24LinearMethod``), except an int8 layer on a CPU whose oneDNN int8 GEMM
-saturates (no VNNI), which ``cpu_int8.ExactInt8Linear`` computes exactly; no 8-bit 2:4
+(``QuantizedChainLinearMethod``), except an int8 layer on a CPU whose oneDNN int8 GEMM
+saturates (no VNNI), which ``cpu_int8.ExactInt8Linear`` computes exactly, and an FP8
+layer on a CPU where vLLM has only its emulated FP8 path, which gets its weight
+dequantized to the model's dtype (``cpu_fp8``; no FP8 arithmetic runs); no 8-bit 2:4
 kernel is used yet.
 
 The config and linear methods are module-level classes in ``vllm_layers``, which imports
