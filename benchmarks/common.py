@@ -199,7 +199,8 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
     runs are not all in ``cache`` is left out (tables from an interrupted benchmark)."""
     import torch
 
-    from whisper_modifiers.methods import build_recipe, gamma_selection
+    from whisper_modifiers.methods import build_recipe
+    from whisper_modifiers.saving import gamma_selection
 
     table = {} if table is None else table
     cache = {} if cache is None else cache

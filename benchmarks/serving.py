@@ -14,6 +14,7 @@ Writes ``serving.md`` and ``serving.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -72,7 +73,8 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
         plan = serving_plan(directory)
     except ServingUnavailable as error:  # this CPU's vLLM build lacks the scheme's kernels
         return row | {"served": False, "vllm_dtype": "–", "error": str(error).split(";")[0]}
-    row["vllm_dtype"] = "float32" if plan.dtype == "auto" else plan.dtype
+    row["vllm_dtype"] = "float32" if takes_float32(directory, plan) else plan.resolved
+    plan = serving_plan(directory, dtype=row["vllm_dtype"])
     start = time.perf_counter()
     try:
         served = run_vllm(directory, prompts=prompts, score=windows, max_tokens=max_tokens,
@@ -97,7 +99,19 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
     }
 
 
-def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
+def takes_float32(directory: Path, plan) -> bool:
+    """Whether vLLM's kernels for this checkpoint run in float32 here (unquantized
+    checkpoints do; a quantized one's are asked, as ``serving_plan`` asks them)."""
+    from whisper_modifiers.serving.probe import probe_dtypes
+    from whisper_modifiers.serving.worker_process import serving_python
+
+    if plan.resolved is None:  # not quantized, or not on a CPU: vLLM's dense path
+        return True
+    config = json.loads((directory / "config.json").read_text())
+    return probe_dtypes(directory, config, ["float32"], serving_python())["dtype"] == "float32"
+
+
+def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int, dtype: str) -> dict:
     """What vLLM alone does with an FP8 chain on a CPU whose FP8 path is its emulation:
     the chain's dense layout (which the plugin does not load) run by vLLM's own
     compressed-tensors kernels, bypassing ``serving_plan``'s refusal, bounded in time."""
@@ -107,7 +121,7 @@ def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int) -> 
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with tempfile.TemporaryDirectory() as tmp:
         dense = write_dense_layout(directory, Path(tmp) / "dense")
-        request = {"model": str(dense), "dtype": "bfloat16", "max_tokens": max_tokens,
+        request = {"model": str(dense), "dtype": dtype, "max_tokens": max_tokens,
                    "max_model_len": max(len(w) for w in windows) + 1, "prompts": prompts,
                    "score": [list(map(int, w)) for w in windows]}  # fmt: skip
         try:
@@ -116,7 +130,7 @@ def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int) -> 
             return {"served": False, "error": f"vLLM's emulated FP8 ({error.ending})"}
     return {
         "served": True,
-        "vllm_dtype": "bfloat16",
+        "vllm_dtype": dtype,
         "prefill_tokens_per_s": sum(map(len, windows)) / served["seconds"]["score"],
         "decode_tokens_per_s": sum(map(len, served["completions"])) / served["seconds"]["generate"],
     }
@@ -142,8 +156,16 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--redraw", action="store_true",
+                        help="only write serving.md again from --out's serving.json")  # fmt: skip
     args = parser.parse_args(argv)
     quiet_logs()
+    if args.redraw:
+        report = json.loads((args.out / "serving.json").read_text())
+        (args.out / "serving.md").write_text(
+            markdown(report, argparse.Namespace(**report["config"]))
+        )
+        return 0
 
     from whisper_modifiers.serving.probe import capabilities
 
@@ -160,14 +182,16 @@ def main(argv=None) -> int:
                                    "--eval-seq-len", str(args.eval_seq_len))  # fmt: skip
             rows[recipe] = measure(out, tokenizer, windows, args.max_tokens)
             print(recipe, rows[recipe], flush=True)
-            if emulated and "fp8" in recipe:
-                rows[recipe]["vllm_emulated_fp8"] = emulated_fp8_speed(out, tokenizer, windows,
-                                                                       args.max_tokens)  # fmt: skip
+            if emulated and "fp8" in recipe and rows[recipe]["served"]:
+                rows[recipe]["vllm_emulated_fp8"] = emulated_fp8_speed(
+                    out, tokenizer, windows, args.max_tokens, rows[recipe]["vllm_dtype"]
+                )
                 print(recipe, "vLLM's emulated FP8:", rows[recipe]["vllm_emulated_fp8"])
     path = args.out / "serving.json"
     runs = previous_runs(path) if path.is_file() else {}
-    kind, name = cpu_kind()
-    runs[name] = {"kind": kind, "date": time.strftime("%Y-%m-%d"), "recipes": rows}
+    kind, name = cpu_kind()  # this run's recipes replace their rows of an earlier run here
+    earlier = runs.get(name, {}).get("recipes", {})
+    runs[name] = {"kind": kind, "date": time.strftime("%Y-%m-%d"), "recipes": earlier | rows}
     report = {
         "config": vars(args) | {"out": str(args.out), "model": str(source)},
         "source_bytes": checkpoint_bytes(source),
@@ -182,8 +206,6 @@ def main(argv=None) -> int:
 def previous_runs(path: Path) -> dict:
     """The runs on other CPUs that ``path`` holds (one run of the older single-CPU shape,
     measured on an AVX2-only EPYC, comes in under that name)."""
-    import json
-
     report = json.loads(path.read_text())
     if "runs" in report:
         return report["runs"]
@@ -218,7 +240,7 @@ def markdown(report, args) -> str:
         for recipe, r in run["recipes"].items():
             lines.append(row_markdown(f"{cpu}, {run['date']}", recipe, r, report["source_bytes"]))
             if "vllm_emulated_fp8" in r:
-                emulated = r["vllm_emulated_fp8"] | {"bytes": r["bytes"]}
+                emulated = r["vllm_emulated_fp8"] | {"bytes": None}  # not written here
                 label = f"{recipe}, dense layout: vLLM's emulated FP8 alone"
                 lines.append(row_markdown("", label, emulated, report["source_bytes"]))
     notes = {note for run in report["runs"].values() for r in run["recipes"].values()
@@ -237,8 +259,13 @@ def row_markdown(cpu: str, recipe: str, r: dict, source_bytes: int) -> str:
     if r["served"] and r.get("notes"):
         served += " (FP8 weights dequantized by the plugin)"
     equal = f"{r['equal_greedy_prompts']}/{r['prompts']}" if "prompts" in r else "–"
+    size = (
+        "– | –"
+        if r["bytes"] is None
+        else (f"{r['bytes'] / mib:.0f} | {r['bytes'] / source_bytes:.2f}×")
+    )
     return (
-        f"| {cpu} | {recipe} | {r['bytes'] / mib:.0f} | {r['bytes'] / source_bytes:.2f}× | "
+        f"| {cpu} | {recipe} | {size} | "
         f"{served} | {r.get('vllm_dtype', '–')} | {number('transformers_ppl', 2)} | "
         f"{number('vllm_ppl', 2)} | {equal} | {number('prefill_tokens_per_s', 0)} | "
         f"{number('decode_tokens_per_s', 1)} |"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from conftest import REPO, SHARED
+from whisper_modifiers.sparse_serving import QUANT_METHOD
 
 
 def test_stories260k_example(monkeypatch, capsys):
@@ -29,3 +30,8 @@ def test_the_readme_python_snippet_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     config = json.loads((tmp_path / "smollm2-whisper-2of4" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
+    # oneshot's own save wrote the compressed 2:4 checkpoint, of the size the README says
+    assert config["quantization_config"]["quant_method"] == QUANT_METHOD
+    (printed,) = re.findall(r"^(\d+) MiB$", done.stdout, re.M)
+    said = re.search(r'print\(f"\{weights / 2\*\*20:.0f\} MiB"\)  # (\d+) MiB', readme)
+    assert said and int(printed) == int(said.group(1)), (printed, said)

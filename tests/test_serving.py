@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+import openai
 import pytest
 import torch
 from loguru import logger
@@ -323,6 +324,19 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
             assert answer["usage"]["completion_tokens"] > 0
             texts.append(answer["choices"][0]["text"])
         assert all(texts) and texts[0] == texts[2]  # greedy: the same prompt, the same text
+        # a real client: the openai package against the OpenAI-compatible server
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120,
+                               max_retries=0)  # fmt: skip
+        completion = client.completions.create(model=str(ckpt.resolve()), prompt=PROMPTS[0],
+                                               max_tokens=8, temperature=0.0)  # fmt: skip
+        assert completion.choices[0].text == texts[0]
+        assert completion.usage.completion_tokens > 0
+        chat = client.chat.completions.create(
+            model=str(ckpt.resolve()), max_tokens=8, temperature=0.0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )  # fmt: skip
+        assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+        assert chat.usage.prompt_tokens > 8  # the chat template wrapped the question
         process = server.process
     assert process.returncode is not None  # stopped
     assert not server.healthy()
@@ -435,6 +449,7 @@ def test_plugin_names_the_tensor_whose_shape_is_wrong():
         "import torch\n"
         "from whisper_modifiers.sparse_serving.format import compress_24\n"
         "from whisper_modifiers.sparse_serving import vllm_layers as plugin\n"
+        "from whisper_modifiers.sparse_serving.vllm_loading import take_dense_weight\n"
         "def loader(param, weight, shard=None):\n"
         "    data = param.data if shard is None else param.data[shard * 16:(shard + 1) * 16]\n"
         "    assert data.shape == weight.shape\n"
@@ -461,11 +476,11 @@ def test_plugin_names_the_tensor_whose_shape_is_wrong():
         "load(layer(), 'shape', torch.tensor([[16], [60]]), 0)\n"
         "module = layer(); whole(module, 0); whole(module, 1, rows=20)\n"
         "try:\n"
-        "    plugin._take_dense_weight(module)\n"
+        "    take_dense_weight(module)\n"
         "except ValueError as error:\n"
         "    print(type(error).__name__, error)\n"
         "module = layer(); whole(module, 0); whole(module, 1)\n"
-        "dense = plugin._take_dense_weight(module)\n"
+        "dense = take_dense_weight(module)\n"
         "print('DENSE', torch.equal(dense, torch.cat([weight, weight])))\n"
     )
     done = in_serving_env(script)

@@ -31,7 +31,7 @@ from loguru import logger
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # modules, not their functions: the tests replace these functions to inject faults
-from whisper_modifiers import checkpoint, evaluation, methods
+from whisper_modifiers import checkpoint, evaluation, methods, saving
 from whisper_modifiers.checkpoint import REPORT_FILE
 from whisper_modifiers.data import load_corpus, sequence_dataset
 from whisper_modifiers.models import resolve_model
@@ -64,9 +64,8 @@ from whisper_modifiers.recipes import (
     load_recipe,
     resolve_recipe,
     storage_layout,
-    two_four_layers,
 )
-from whisper_modifiers.sparse_serving.layout import write_dense_layout, write_sparse24
+from whisper_modifiers.sparse_serving.layout import write_dense_layout
 
 __all__ = [
     "REPORT_FILE",
@@ -371,33 +370,27 @@ def _report(plan: Plan) -> dict:
 
 
 def _save(plan: Plan, model, report: dict) -> None:
-    """The checkpoint, its record and report, written beside ``output_dir`` and renamed
-    into place (``partial_output``)."""
-    gamma_choices = methods.gamma_selection(plan.modifiers)
-    record = checkpoint.sparsity_record(
-        model,
-        modifiers=[type(modifier).__name__ for modifier in plan.modifiers],
-        recipe=str(plan.recipe),
-        source_model=plan.model_id,
-        **({"gamma_selection": gamma_choices} if gamma_choices else {}),
-    )
-    report["sparsity"] = record["summary"]["sparsity"]
+    """The checkpoint (``saving.write_checkpoint``, the code path of llmcompressor's own
+    save under our modifiers), its tokenizer and report, written beside ``output_dir``
+    and renamed into place (``partial_output``)."""
+    details = {"recipe": str(plan.recipe), "source_model": plan.model_id}
     try:  # the directory may have changed during pruning
         check_output_dir(plan.output_dir, plan.inputs, plan.args.overwrite)
     except OutputDirError as error:
         raise UsageError(f"{error} (it changed while this run was pruning)") from error
     report["layout"] = plan.layout
-    two_four = two_four_layers(model, plan.modifiers)
     with partial_output(plan.output_dir) as partial:  # never a half-written checkpoint
-        model.save_pretrained(partial, save_compressed=True)
-        if plan.layout == "compressed":
-            try:  # checks every layer is exactly 2:4 before it writes anything
-                report["compressed_2of4"] = write_sparse24(partial, two_four)
-            except ValueError as error:
-                raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error
+        try:  # checks every 2:4 layer is exactly 2:4 before it writes anything
+            written = saving.write_checkpoint(model, partial, plan.modifiers,
+                                              saving.llmcompressor_save(model), plan.layout,
+                                              **details)  # fmt: skip
+        except ValueError as error:  # NotTwoFourError, or a format it cannot hold
+            raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error
+        report["sparsity"] = written["record"]["summary"]["sparsity"]
+        if written["compressed_2of4"] is not None:
+            report["compressed_2of4"] = written["compressed_2of4"]
         plan.tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(checkpoint.strict_json(report))
-        checkpoint.write_record(partial, record)
         checkpoint.check_checkpoint(partial, unfinished_ok=True)
     report["output_dir"] = str(plan.output_dir)
 

@@ -22,7 +22,6 @@ __all__ = [
     "build_recipe",
     "calibration_pipeline",
     "calibration_settings",
-    "gamma_selection",
     "run_oneshot",
 ]
 
@@ -55,13 +54,6 @@ def build_recipe(
     if "seed" in cls.model_fields:
         fields.setdefault("seed", seed)
     return [cls(**fields)]
-
-
-def gamma_selection(modifiers) -> dict[str, dict]:
-    """``gamma: auto``'s choice per module (``DifferencePruningBase.gamma_selection``) over
-    a finished run's modifiers; empty when none chose."""
-    return {name: choice for modifier in modifiers if hasattr(modifier, "gamma_selection")
-            for name, choice in modifier.gamma_selection().items()}  # fmt: skip
 
 
 def run_oneshot(model, tokenizer, dataset, recipe, batch_size: int = 1, **kwargs):

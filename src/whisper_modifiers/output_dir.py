@@ -110,10 +110,11 @@ def _check_replaceable(target: Path, overwrite, flag, marker, program, output) -
         raise OutputDirError(f"{flag} {target} exists and is not a directory")
     entries = list(target.iterdir())
     if entries and not (target / marker).is_file():
+        even = ", even with --overwrite" if flag.startswith("--") else ""
         raise OutputDirError(
             f"{flag} {target} is not empty and was not written by {program} "
-            f"(it holds {_describe(entries)}); it is never replaced, even with "
-            "--overwrite: choose a new or empty directory"
+            f"(it holds {_describe(entries)}); it is never replaced{even}: choose a new or "
+            "empty directory"
         )
     if entries and not overwrite:
         raise OutputDirError(

@@ -22,7 +22,6 @@ __all__ = [
     "load_recipe",
     "resolve_recipe",
     "storage_layout",
-    "two_four_layers",
 ]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -114,18 +113,15 @@ def check_recipe_targets(path: Path, modifiers: list, model, num_sequences: int)
 
 def storage_layout(layout: str, modifiers: list) -> str:
     """``--layout`` resolved: ``compressed`` needs a 2:4 recipe, unquantized or quantized
-    to one 8-bit value per weight (W8A8, FP8); 4-bit packed weights keep the dense layout."""
-    from llmcompressor.modifiers.quantization.quantization.mixin import QuantizationMixin
+    to one 8-bit value per weight (W8A8, FP8); 4-bit packed weights keep the dense layout
+    (``saving.storage_layout``, what ``auto`` gives)."""
+    from whisper_modifiers.saving import packs_weights
+    from whisper_modifiers.saving import storage_layout as automatic
 
-    two_four = any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
-    quantizers = [m for m in modifiers if isinstance(m, QuantizationMixin)]
-    packed = any(
-        group.weights is not None and group.weights.num_bits != 8
-        for m in quantizers
-        for group in m.resolved_config.config_groups.values()
-    )
     if layout == "auto":
-        return "compressed" if two_four and not packed else "dense"
+        return automatic(modifiers)
+    two_four = any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
+    packed = packs_weights(modifiers)
     if layout == "compressed" and (packed or not two_four):
         raise UsageError(
             "--layout compressed stores 2:4 weights unquantized or as 8-bit values: the "
@@ -136,22 +132,3 @@ def storage_layout(layout: str, modifiers: list) -> str:
             )  # fmt: skip
         )
     return layout
-
-
-def two_four_layers(model, modifiers: list) -> list[str]:
-    """Names of the Linear modules that the recipe's 2:4 modifiers prune."""
-    import torch
-    from compressed_tensors.utils import match_named_modules, match_targets
-
-    names = []
-    for modifier in modifiers:
-        if getattr(modifier, "mask_structure", None) != "2:4":
-            continue
-        ignore = list(modifier.ignore or [])
-        for name, module in match_named_modules(model, modifier.targets, ignore):
-            inner = [(name, module)] if isinstance(module, torch.nn.Linear) else [
-                (f"{name}.{n}", m) for n, m in module.named_modules()
-                if isinstance(m, torch.nn.Linear)
-            ]  # fmt: skip
-            names += [n for n, m in inner if not match_targets(n, m, ignore)]
-    return sorted(set(names))

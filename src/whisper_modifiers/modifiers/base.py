@@ -29,6 +29,7 @@ from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
+from whisper_modifiers.modifiers.compressed_save import CompressedSave
 from whisper_modifiers.modifiers.distributed import sequence_offset
 from whisper_modifiers.modifiers.gamma_auto import GammaAuto
 from whisper_modifiers.modifiers.sequence_sums import SequenceSumCalibration
@@ -52,7 +53,7 @@ DEFAULT_DIFFERENCE_TARGETS = [r"re:.*mlp\.(gate|up)_proj$"]
 
 
 class DifferencePruningBase(
-    GammaAuto, SparsityValidation, SequenceSumCalibration, SparsityModifierBase
+    GammaAuto, SparsityValidation, CompressedSave, SequenceSumCalibration, SparsityModifierBase
 ):
     """Fields and routing common to Wisp, Wisp+ and Whisper (see those classes).
 

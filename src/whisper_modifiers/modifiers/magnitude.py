@@ -15,6 +15,7 @@ from llmcompressor.modifiers.modifier import Modifier
 from loguru import logger
 from pydantic import Field
 
+from whisper_modifiers.modifiers.compressed_save import CompressedSave
 from whisper_modifiers.modifiers.validation import (
     NonFiniteError,
     SparsityValidation,
@@ -26,7 +27,7 @@ from whisper_modifiers.solvers import prune_by_score
 __all__ = ["OneShotMagnitudeModifier"]
 
 
-class OneShotMagnitudeModifier(SparsityValidation, Modifier):
+class OneShotMagnitudeModifier(SparsityValidation, CompressedSave, Modifier):
     """Prune every targeted Linear to ``sparsity`` by weight magnitude, per output row
     (unstructured) or per group of ``M`` inputs (N:M), at initialisation; needs no
     calibration data.  (llmcompressor's ``MagnitudePruningModifier`` is a training-time

@@ -14,7 +14,9 @@ environment alone.
 * ``dispatch_plans``: from which token count it beats dense, measured and cached;
 * ``kernels``: ``Sparse24Linear``, ``accelerate(model)`` and the serving kernel mode;
 * ``vllm_plugin``: the ``vllm.general_plugins`` entry point that registers the format
-  with vLLM; ``vllm_layers``: its config and linear methods (which run ``kernels``);
+  with vLLM; ``vllm_layers``: its config and linear methods (which run ``kernels``),
+  ``vllm_loading``: the compressed tensors loaded and checked in vLLM; ``cpu_int8`` and
+  ``cpu_fp8``: what the plugin runs where vLLM's CPU kernels fall short;
 * ``compile_key``: the plugin's part of vLLM's compile-cache key;
 * ``transformers_quantizer``: the format in transformers' quantizer registry
   (``import whisper_modifiers`` registers it).

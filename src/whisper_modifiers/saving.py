@@ -1,0 +1,186 @@
+"""Saving a pruned model: one code path for whisper-prune and for llmcompressor's own
+``oneshot(..., output_dir=D)`` and ``model.save_pretrained(D, save_compressed=True)``.
+
+* ``write_checkpoint``: into a new directory, after checking in memory that every layer a
+  2:4 modifier pruned is exactly 2:4 (nothing is written otherwise): llmcompressor's save
+  (compressed-tensors; a quantized chain's scales and packed values), then, for the
+  ``compressed`` layout, each 2:4 Linear rewritten as values plus bitmask with the
+  load-time guard for stock transformers (``sparse_serving.layout.write_sparse24``), and
+  ``sparsity_record.json``. whisper-prune calls it inside its partial directory.
+* ``install_compressed_save``: our pruning modifiers call it when they finalize. It wraps
+  the model's ``save_pretrained`` (llmcompressor's own wrapper, which ``oneshot`` installs
+  first) so that saving with ``save_compressed=True`` (llmcompressor's default) writes
+  ``write_checkpoint``'s checkpoint into a locked partial directory renamed into place
+  (``output_dir.partial_output``): an interrupted save never leaves a directory that
+  looks complete. ``save_compressed=False`` writes llmcompressor's dense layout (zeros
+  stored) and the record. A recipe made only of llmcompressor's stock modifiers installs
+  nothing: importing this package does not change what a stock recipe saves.
+
+``storage_layout`` says which layout a recipe's checkpoint gets: ``compressed`` for a 2:4
+recipe, unquantized or quantized to one 8-bit value per weight (W8A8, FP8); ``dense``
+otherwise (W4A16 keeps compressed-tensors' packed format).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from pathlib import Path
+
+import torch
+
+from whisper_modifiers import checkpoint
+from whisper_modifiers.output_dir import check_output_dir, partial_output
+from whisper_modifiers.sparse_serving.format import check_two_four
+from whisper_modifiers.sparse_serving.layout import write_sparse24
+
+__all__ = [
+    "gamma_selection",
+    "install_compressed_save",
+    "llmcompressor_save",
+    "packs_weights",
+    "storage_layout",
+    "two_four_layers",
+    "write_checkpoint",
+]
+
+_INSTALLED = "_whisper_modifiers_save"  # the attribute our wrapper carries
+
+
+def two_four_layers(model, modifiers: list) -> list[str]:
+    """Names of the Linear modules that the recipe's 2:4 modifiers prune."""
+    from compressed_tensors.utils import match_named_modules, match_targets
+
+    names = []
+    for modifier in modifiers:
+        if getattr(modifier, "mask_structure", None) != "2:4":
+            continue
+        ignore = list(modifier.ignore or [])
+        for name, module in match_named_modules(model, modifier.targets, ignore):
+            inner = [(name, module)] if isinstance(module, torch.nn.Linear) else [
+                (f"{name}.{n}", m) for n, m in module.named_modules()
+                if isinstance(m, torch.nn.Linear)
+            ]  # fmt: skip
+            names += [n for n, m in inner if not match_targets(n, m, ignore)]
+    return sorted(set(names))
+
+
+def packs_weights(modifiers: list) -> bool:
+    """Whether a quantization modifier of the recipe packs weights below 8 bits (W4A16)."""
+    from llmcompressor.modifiers.quantization.quantization.mixin import QuantizationMixin
+
+    return any(
+        group.weights is not None and group.weights.num_bits != 8
+        for m in modifiers
+        if isinstance(m, QuantizationMixin)
+        for group in m.resolved_config.config_groups.values()
+    )
+
+
+def storage_layout(modifiers: list) -> str:
+    """``compressed`` for a 2:4 recipe stored unquantized or as 8-bit values, else
+    ``dense``."""
+    two_four = any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
+    return "compressed" if two_four and not packs_weights(modifiers) else "dense"
+
+
+def gamma_selection(modifiers) -> dict[str, dict]:
+    """``gamma: auto``'s choice per module (``DifferencePruningBase.gamma_selection``) over
+    a finished run's modifiers; empty when none chose."""
+    return {name: choice for modifier in modifiers if hasattr(modifier, "gamma_selection")
+            for name, choice in modifier.gamma_selection().items()}  # fmt: skip
+
+
+def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout: str,
+                     **details) -> dict:  # fmt: skip
+    """Write ``model`` pruned by ``modifiers`` into the new ``directory`` with ``save``
+    (llmcompressor's ``save_pretrained``) in ``layout``: ``compressed`` (llmcompressor's
+    compressed save, then the 2:4 layers rewritten), ``dense`` (its compressed save: a
+    quantized chain's format, pruned zeros stored) or ``uncompressed`` (its
+    ``save_compressed=False``), and ``sparsity_record.json`` holding ``details`` (recipe,
+    source model, ...). Every layer a 2:4 modifier pruned is checked to be exactly 2:4
+    first (``NotTwoFourError`` naming it; nothing written). Returns ``{"record": ...,
+    "compressed_2of4": sizes or None}``."""
+    directory = Path(directory)
+    two_four = two_four_layers(model, modifiers)
+    modules = dict(model.named_modules())
+    for name in two_four:
+        check_two_four(modules[name].weight.detach(), name)
+    names = [type(modifier).__name__ for modifier in modifiers]
+    choices = gamma_selection(modifiers)
+    details |= {"gamma_selection": choices} if choices else {}
+    record = checkpoint.sparsity_record(model, modifiers=names, layout=layout, **details)
+    save(directory, save_compressed=layout != "uncompressed")
+    sizes = write_sparse24(directory, two_four) if layout == "compressed" else None
+    checkpoint.write_record(directory, record)
+    return {"record": record, "compressed_2of4": sizes}
+
+
+def install_compressed_save(model, modifiers: list) -> None:
+    """Wrap ``model.save_pretrained`` (see the module docstring) for a model ``modifiers``
+    pruned; installing again updates the modifiers."""
+    current = model.save_pretrained
+    if getattr(current, _INSTALLED, None) is not None:
+        getattr(current, _INSTALLED).update(modifiers=list(modifiers), recipe=_recipe_text())
+        return
+    state = {"modifiers": list(modifiers), "recipe": _recipe_text()}  # while the session lasts
+    model_ref = weakref.ref(model)
+    takes_compressed = getattr(current, "_overridden", False)  # llmcompressor's wrapper
+
+    def inner(directory, save_compressed=True, **kwargs):
+        if takes_compressed:
+            return current(directory, save_compressed=save_compressed, **kwargs)
+        return current(directory, **kwargs)
+
+    @functools.wraps(current)
+    def save_pretrained(save_directory, *args, save_compressed: bool = True, **kwargs):
+        if args or not _is_source_process():  # HF's positional options; the other ranks
+            return inner(save_directory, *args, save_compressed=save_compressed, **kwargs)
+        model = model_ref()
+        modifiers = state["modifiers"]
+        layout = storage_layout(modifiers) if save_compressed else "uncompressed"
+        target = check_output_dir(save_directory, protected=_protected(model), overwrite=True,
+                                  flag="save_pretrained's save_directory",
+                                  marker=checkpoint.RECORD_FILE, program="whisper-modifiers",
+                                  output="a whisper-modifiers checkpoint")  # fmt: skip
+        save = functools.partial(inner, **kwargs)
+        with partial_output(target) as partial:  # never a half-written checkpoint
+            write_checkpoint(model, partial, modifiers, save, layout, recipe=state["recipe"],
+                             source_model=_source(model))  # fmt: skip
+        return None
+
+    state["inner"] = inner
+    setattr(save_pretrained, _INSTALLED, state)
+    model.save_pretrained = save_pretrained
+
+
+def llmcompressor_save(model):
+    """llmcompressor's ``save_pretrained`` of ``model``, under ours if ours is installed."""
+    ours = getattr(model.save_pretrained, _INSTALLED, None)
+    return model.save_pretrained if ours is None else ours["inner"]
+
+
+def _is_source_process() -> bool:
+    from compressed_tensors.distributed import is_source_process
+
+    return is_source_process()
+
+
+def _recipe_text() -> str | None:
+    """The active llmcompressor session's recipe, as YAML."""
+    try:
+        from llmcompressor.core import active_session
+
+        return active_session().lifecycle.recipe.yaml()
+    except Exception:  # no session, or a recipe that cannot be written back
+        return None
+
+
+def _source(model) -> str | None:
+    return getattr(getattr(model, "config", None), "_name_or_path", None) or None
+
+
+def _protected(model) -> list[Path]:
+    """The source model's directory, when it is one: saving over it is refused."""
+    source = _source(model)
+    return [Path(source)] if source and Path(source).is_dir() else []

@@ -1,0 +1,119 @@
+"""Loading a compressed 2:4 layer's tensors in vLLM: the ``compressed`` / ``bitmask`` /
+``shape`` parameters registered on a layer with vLLM's own weight loaders (merged layers
+and tensor-parallel shards load as the dense weight would), each stored tensor checked as
+it loads, and the dense weight taken back after loading. ``vllm_layers``' linear methods
+call these.
+
+Imports only torch and this package's format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from whisper_modifiers.sparse_serving.format import CorruptCheckpointError, decompress_24
+
+__all__ = ["register_compressed", "sparse24_dense_weight", "take_dense_weight"]
+
+
+def register_compressed(layer, name, input_size_per_partition, input_size, rows, dtype,
+                         weight_loader, extra_weight_attrs) -> None:  # fmt: skip
+    """``compressed`` / ``bitmask`` / ``shape`` parameters on ``layer``, loaded by vLLM's
+    own (v1) loader of the layer: rows are outputs, so merged and column shards are row
+    ranges, and a row-parallel shard narrows the columns (whole groups and bytes only)."""
+    if input_size % 4:
+        raise ValueError(
+            f"{name}: {input_size} inputs are not a multiple of 4, so the layer cannot be "
+            "2:4; the checkpoint's targets are wrong"
+        )
+    if input_size_per_partition != input_size and input_size_per_partition % 8:
+        raise ValueError(
+            f"{name}: its tensor-parallel shard holds {input_size_per_partition} of "
+            f"{input_size} inputs, which splits groups of four (or bitmask bytes) of the "
+            "compressed 2:4 weight; use a tensor-parallel size that divides the input size "
+            "into multiples of 8"
+        )
+    layer.sparse24_stored_rows = {}  # (part, checkpoint part) -> rows, checked after loading
+    for part, columns, part_dtype in (
+        ("compressed", input_size_per_partition // 2, dtype),
+        ("bitmask", -(-input_size_per_partition // 8), torch.uint8),  # whole bytes per row
+    ):
+        parameter = torch.nn.Parameter(torch.empty(rows, columns, dtype=part_dtype),
+                                       requires_grad=False)  # fmt: skip
+        layer.register_parameter(part, parameter)
+        parameter.output_dim, parameter.input_dim = 0, 1
+        stored_columns = input_size // 2 if part == "compressed" else -(-input_size // 8)
+        parameter.weight_loader = _checked_loader(layer, part, stored_columns, weight_loader)
+        for key, value in extra_weight_attrs.items():
+            setattr(parameter, key, value)
+    shape = torch.nn.Parameter(torch.empty(2, 1, dtype=torch.int64), requires_grad=False)
+    shape.weight_loader = _checked_loader(layer, "shape", 1, None)  # known from the layer
+    layer.register_parameter("shape", shape)
+    layer.sparse24_dense_shape = (rows, input_size_per_partition)
+    layer.sparse24_input_size = input_size
+    layer.sparse24_name = name
+
+
+def _checked_loader(layer, part, columns, weight_loader):
+    """``weight_loader`` (vLLM's own, of the layer) for the checkpoint tensor ``part``,
+    after checking its columns (the layer's whole input size, compressed), so a tensor of
+    the wrong shape is an error naming the layer and the tensor rather than vLLM's bare
+    ``AssertionError``. The rows of every stored tensor are recorded by checkpoint part
+    (``q``/``k``/``v``, gate/up, or the whole layer) and compared in ``_take_dense_weight``."""
+
+    def load(param, loaded_weight, shard=None, *args, **kwargs):
+        name = f"{layer.sparse24_name}.{part}" + ("" if shard is None else f" (part {shard})")
+        if part == "shape":
+            stored = loaded_weight.reshape(-1).tolist()
+            if len(stored) != 2 or stored[1] != layer.sparse24_input_size:
+                raise CorruptCheckpointError(
+                    f"{name} is {stored}: the layer has {layer.sparse24_input_size} inputs"
+                )
+            layer.sparse24_stored_rows[(part, shard)] = stored[0]
+            return
+        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != columns:
+            raise CorruptCheckpointError(
+                f"{name} has shape {list(loaded_weight.shape)}; the layer's "
+                f"{layer.sparse24_input_size} inputs need [rows, {columns}]"
+            )
+        layer.sparse24_stored_rows[(part, shard)] = loaded_weight.shape[0]
+        try:
+            weight_loader(
+                param, loaded_weight, *(() if shard is None else (shard,)), *args, **kwargs
+            )
+        except AssertionError as error:  # vLLM's shape assertion, on the rows
+            raise CorruptCheckpointError(
+                f"{name} has shape {list(loaded_weight.shape)}, which does not fit the "
+                f"layer's {list(param.shape)}"
+            ) from error
+
+    return load
+
+
+def _check_stored_rows(layer) -> None:
+    """Every checkpoint part's ``compressed``, ``bitmask`` and ``shape`` agree on its rows."""
+    by_shard: dict = {}
+    for (part, shard), rows in layer.sparse24_stored_rows.items():
+        by_shard.setdefault(shard, {})[part] = rows
+    for shard, rows in by_shard.items():
+        if len(set(rows.values())) != 1 or len(rows) != 3:
+            suffix = "" if shard is None else f" (part {shard})"
+            raise CorruptCheckpointError(
+                f"{layer.sparse24_name}{suffix}: the stored compressed / bitmask / shape "
+                f"tensors disagree on the rows or one is missing: {rows}"
+            )
+
+
+def take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
+    _check_stored_rows(layer)
+    weight = sparse24_dense_weight(layer)
+    for part in ("compressed", "bitmask", "shape"):
+        delattr(layer, part)
+    return weight
+
+
+def sparse24_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A loaded 2:4 layer's dense weight (in the dtype it was stored in), from which
+    ``serving_kernel`` compresses cuSPARSELt's operand."""
+    return decompress_24(layer.compressed.data, layer.bitmask.data, layer.sparse24_dense_shape,
+                         getattr(layer, "sparse24_name", "weight"))  # fmt: skip
