@@ -6,7 +6,9 @@
   (compressed-tensors; a quantized chain's scales and packed values), then, for the
   ``compressed`` layout, each 2:4 Linear rewritten as values plus bitmask with the
   load-time guard for stock transformers (``sparse_serving.layout.write_sparse24``), and
-  ``sparsity_record.json``. whisper-prune calls it inside its partial directory.
+  ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) stay dense: transformers rebuilds
+  its fused experts from per-expert ``weight`` tensors only. whisper-prune calls it inside
+  its partial directory.
 * ``install_compressed_save``: our pruning modifiers call it when they finalize. It wraps
   the model's ``save_pretrained`` (llmcompressor's own wrapper, which ``oneshot`` installs
   first) so that saving with ``save_compressed=True`` (llmcompressor's default) writes
@@ -24,10 +26,12 @@ otherwise (W4A16 keeps compressed-tensors' packed format).
 from __future__ import annotations
 
 import functools
+import re
 import weakref
 from pathlib import Path
 
 import torch
+from loguru import logger
 
 from whisper_modifiers import checkpoint
 from whisper_modifiers.output_dir import check_output_dir, partial_output
@@ -35,6 +39,7 @@ from whisper_modifiers.sparse_serving.format import check_two_four
 from whisper_modifiers.sparse_serving.layout import write_sparse24
 
 __all__ = [
+    "MOE_EXPERT",
     "gamma_selection",
     "install_compressed_save",
     "llmcompressor_save",
@@ -45,6 +50,9 @@ __all__ = [
 ]
 
 _INSTALLED = "_whisper_modifiers_save"  # the attribute our wrapper carries
+# an MoE expert as llmcompressor exposes it (mlp.experts.N.gate_proj): transformers rebuilds
+# its fused experts from per-expert ``weight`` tensors only, so experts are stored dense
+MOE_EXPERT = re.compile(r".*\.experts\.\d+\.")
 
 
 def two_four_layers(model, modifiers: list) -> list[str]:
@@ -111,7 +119,16 @@ def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout
     details |= {"gamma_selection": choices} if choices else {}
     record = checkpoint.sparsity_record(model, modifiers=names, layout=layout, **details)
     save(directory, save_compressed=layout != "uncompressed")
-    sizes = write_sparse24(directory, two_four) if layout == "compressed" else None
+    experts = [name for name in two_four if MOE_EXPERT.match(name)]
+    if experts and layout == "compressed":
+        logger.warning(
+            f"{len(experts)} MoE expert layers ({experts[0]}, ...) are stored dense: "
+            "transformers rebuilds its fused experts from per-expert weights only"
+        )
+    compressed = [name for name in two_four if name not in experts]
+    sizes = None
+    if layout == "compressed" and compressed:
+        sizes = write_sparse24(directory, compressed)
     checkpoint.write_record(directory, record)
     return {"record": record, "compressed_2of4": sizes}
 

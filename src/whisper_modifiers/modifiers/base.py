@@ -40,6 +40,7 @@ from whisper_modifiers.modifiers.validation import (
     check_structure_divides,
     parse_mask_structure,
 )
+from whisper_modifiers.saving import MOE_EXPERT
 from whisper_modifiers.statistics import (
     nearest_neighbour_differences,
     pair_permutations,
@@ -49,7 +50,18 @@ from whisper_modifiers.statistics import (
 
 __all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DifferencePruningBase"]
 
-DEFAULT_DIFFERENCE_TARGETS = [r"re:.*mlp\.(gate|up)_proj$"]
+# the gate and up projections of a gated MLP, separate (Llama, Qwen, Mistral, Gemma, ...)
+# or fused into one Linear (Phi-3's gate_up_proj: the same inputs, so the same statistic)
+DEFAULT_DIFFERENCE_TARGETS = [r"re:.*mlp\.(gate|up|gate_up)_proj$"]
+
+
+_EXPERTS_NOTE = (
+    " This model's gated MLPs are MoE experts (%s, ...): their difference statistic needs "
+    "pairs formed within each sequence's tokens routed to the expert, and this version does "
+    "not form them (llmcompressor hands an expert its tokens flattened over the batch, and "
+    "by default every token). Prune the experts with the baseline: difference_targets: [] "
+    "(or patterns naming dense modules only)"
+)
 
 
 class DifferencePruningBase(
@@ -199,6 +211,7 @@ class DifferencePruningBase(
 
     def _select_difference_modules(self, modules) -> set[torch.nn.Module]:
         selected = set()
+        experts = [n for n, _, _ in modules if MOE_EXPERT.match(n)]
         for pattern in self.difference_targets:
             matched = [(n, m) for n, m, _ in modules if match_targets(n, m, [pattern])]
             if not matched:
@@ -208,6 +221,13 @@ class DifferencePruningBase(
                     f"{len(modules)} modules this modifier prunes; some of them: "
                     f"{examples}. Use 're:' for a regex, e.g. "
                     f"{DEFAULT_DIFFERENCE_TARGETS[0]!r}"
+                    + (_EXPERTS_NOTE % experts[0] if experts else "")  # fmt: skip
+                )
+            routed = [n for n, _ in matched if MOE_EXPERT.match(n)]
+            if routed:
+                raise ValueError(
+                    f"difference_targets pattern {pattern!r} matches {routed[0]}, an MoE "
+                    f"expert ({len(routed)} in all)." + _EXPERTS_NOTE % routed[0]
                 )
             for name, module in matched:
                 if not isinstance(module, torch.nn.Linear):

@@ -48,7 +48,7 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         WispModifier:
           sparsity: 0.5
           mask_structure: "2:4"
-          difference_targets: ['re:.*mlp\\.(gate|up)_proj$']
+          difference_targets: ['re:.*mlp\\.(gate|up|gate_up)_proj$']
           ignore: ["lm_head"]
           seed: 0
     ```
