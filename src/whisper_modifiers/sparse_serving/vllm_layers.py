@@ -58,8 +58,8 @@ class Sparse24LinearMethod(UnquantizedLinearMethod):
                        **extra_weight_attrs):  # fmt: skip
         weight_loader = extra_weight_attrs.pop("weight_loader")
         register_compressed(layer, self.name, input_size_per_partition, input_size,
-                             sum(output_partition_sizes), params_dtype, weight_loader,
-                             extra_weight_attrs)  # fmt: skip
+                            sum(output_partition_sizes), params_dtype, weight_loader,
+                            extra_weight_attrs)  # fmt: skip
 
     def process_weights_after_loading(self, layer) -> None:
         weight = take_dense_weight(layer)
@@ -108,8 +108,8 @@ class QuantizedChainLinearMethod(LinearMethodBase):
         layer.sparse24_weight_class = type(quantized)
         extra = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
         register_compressed(layer, self.name, input_size_per_partition, input_size,
-                             sum(output_partition_sizes), quantized.dtype,
-                             extra_weight_attrs["weight_loader"], extra)  # fmt: skip
+                            sum(output_partition_sizes), quantized.dtype,
+                            extra_weight_attrs["weight_loader"], extra)  # fmt: skip
 
     def process_weights_after_loading(self, layer) -> None:
         if self.compressed:
