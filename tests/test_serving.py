@@ -114,6 +114,21 @@ def eval_windows(tokenizer):
     return evaluation_windows(ids, EVAL_LEN, EVAL_WINDOWS)
 
 
+def assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows) -> None:
+    """vLLM (float32) serving ``ckpt`` gives ``model``'s greedy tokens on ``PROMPTS`` and
+    its log-likelihoods on ``eval_windows``, not only the same argmax."""
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32",
+                      timeout=VLLM_TIMEOUT)  # fmt: skip
+    for ids, vllm_tokens in zip(prompts, served["completions"], strict=True):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        assert vllm_tokens == out[0, len(ids) :].tolist(), tokenizer.decode(ids)
+    with torch.no_grad():
+        reference = perplexity(model, torch.cat(eval_windows), EVAL_LEN, EVAL_WINDOWS)
+    assert scores_perplexity(served["scores"]) == pytest.approx(reference, rel=1e-3)
+
+
 def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, eval_windows):
     ckpt = checkpoint("whisper_2of4")  # the compressed 2:4 layout, served by our plugin
     config = json.loads((ckpt / "config.json").read_text())
@@ -136,18 +151,7 @@ def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, ev
         assert all(torch.equal(reloaded[k], pruned[k]) for k in pruned)
     gate = model.model.layers[0].mlp.gate_proj.weight
     assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) >= 2).all()
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32",
-                      timeout=VLLM_TIMEOUT)  # fmt: skip
-
-    for ids, vllm_tokens in zip(prompts, served["completions"], strict=True):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-        assert vllm_tokens == out[0, len(ids) :].tolist(), tokenizer.decode(ids)
-    # the same log-likelihoods, not only the same argmax
-    with torch.no_grad():
-        reference = perplexity(model, torch.cat(eval_windows), EVAL_LEN, EVAL_WINDOWS)
-    assert scores_perplexity(served["scores"]) == pytest.approx(reference, rel=1e-3)
+    assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows)
 
 
 @pytest.mark.parametrize(
@@ -226,16 +230,7 @@ def test_fp8_chain_where_vllm_only_emulates_fp8(checkpoint, tokenizer, eval_wind
     assert any("no FP8 arithmetic runs" in message for message in notes)
 
     plain = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32",
-                      timeout=VLLM_TIMEOUT)  # fmt: skip
-    for ids, vllm_tokens in zip(prompts, served["completions"], strict=True):
-        with torch.no_grad():
-            out = plain.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-        assert vllm_tokens == out[0, len(ids) :].tolist(), tokenizer.decode(ids)
-    with torch.no_grad():
-        reference = perplexity(plain, torch.cat(eval_windows), EVAL_LEN, EVAL_WINDOWS)
-    assert scores_perplexity(served["scores"]) == pytest.approx(reference, rel=1e-3)
+    assert_vllm_computes_as(plain, ckpt, tokenizer, eval_windows)
 
     dense = checkpoint("whisper_2of4_fp8", "dense")
     with pytest.raises(ServingUnavailable, match="only through its emulated path"):

@@ -245,6 +245,11 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_flag_set() -> set[str]:
+    """This CPU's flags (``avx2``, ``avx512f``, ``amx_int8``, ...)."""
+    return set(cpu_flags().split(":", 1)[-1].split())
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -266,7 +271,7 @@ def capabilities(python: str | Path | None = None, timeout: float = 120) -> dict
 def capabilities_line(python: str | Path | None = None) -> str:
     """One line: this CPU's model and relevant flags, and which of vLLM's CPU ops and
     kernels the serving environment has here (or why it could not be asked)."""
-    flags = set(cpu_flags().split(":", 1)[-1].split())
+    flags = cpu_flag_set()
     cpu = f"CPU {cpu_model()}: " + " ".join(
         flag if flag in flags else f"-{flag}" for flag in CPU_FLAGS
     )
