@@ -133,7 +133,9 @@ def group_32_recipe(directory: Path, stem: str) -> Path:
     whisper-prune refuses); its 172-input down_proj stays in 16-bit."""
     recipe = directory / f"{stem}_g32.yaml"
     text = (RECIPES / f"{stem}.yaml").read_text()
-    old = '      scheme: W4A16\n      ignore: ["lm_head"]'
+    ignore = ("ignore: [\"lm_head\", 're:.*mlp\\.gate$', 're:.*router(\\.layer)?$', "
+              "'re:.*_expert_gate$']")  # fmt: skip
+    old = f"      scheme: W4A16\n      {ignore}"
     assert old in text, stem
     recipe.write_text(text.replace(old, (
         '      ignore: ["lm_head", "re:.*down_proj$"]\n'

@@ -137,11 +137,18 @@ def calibration_sequences(tokenizer, text: str, source: str, num_sequences: int,
 
 def meta_model(config) -> torch.nn.Module:
     """The model of ``config`` on the meta device: its modules, names and shapes, with no
-    weights loaded or allocated."""
+    weights loaded or allocated; MoE experts as ``oneshot`` exposes them, one Linear per
+    expert projection (llmcompressor's ``LinearExperts2D``)."""
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+    from llmcompressor.modeling.moe.linearize import get_non_linearized_moes
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)
+        for name, experts in get_non_linearized_moes(model):  # shapes only: no copy
+            linear = LinearExperts2D.get_linear_experts_cls(type(experts))
+            model.set_submodule(name, linear(getattr(experts, "config", model.config)))
+    return model
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

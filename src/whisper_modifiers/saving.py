@@ -6,9 +6,9 @@
   (compressed-tensors; a quantized chain's scales and packed values), then, for the
   ``compressed`` layout, each 2:4 Linear rewritten as values plus bitmask with the
   load-time guard for stock transformers (``sparse_serving.layout.write_sparse24``), and
-  ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) stay dense: transformers rebuilds
-  its fused experts from per-expert ``weight`` tensors only. whisper-prune calls it inside
-  its partial directory.
+  ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) are packed back into the family's
+  fused experts for the save (``packed_experts``) and stay dense there. whisper-prune
+  calls it inside its partial directory.
 * ``install_compressed_save``: our pruning modifiers call it when they finalize. It wraps
   the model's ``save_pretrained`` (llmcompressor's own wrapper, which ``oneshot`` installs
   first) so that saving with ``save_compressed=True`` (llmcompressor's default) writes
@@ -25,6 +25,7 @@ otherwise (W4A16 keeps compressed-tensors' packed format).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import weakref
@@ -50,8 +51,8 @@ __all__ = [
 ]
 
 _INSTALLED = "_whisper_modifiers_save"  # the attribute our wrapper carries
-# an MoE expert as llmcompressor exposes it (mlp.experts.N.gate_proj): transformers rebuilds
-# its fused experts from per-expert ``weight`` tensors only, so experts are stored dense
+# an MoE expert as llmcompressor exposes it (mlp.experts.N.gate_proj): saved in the
+# family's fused experts (``packed_experts``), dense
 MOE_EXPERT = re.compile(r".*\.experts\.\d+\.")
 
 
@@ -118,12 +119,13 @@ def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout
     choices = gamma_selection(modifiers)
     details |= {"gamma_selection": choices} if choices else {}
     record = checkpoint.sparsity_record(model, modifiers=names, layout=layout, **details)
-    save(directory, save_compressed=layout != "uncompressed")
+    with packed_experts(model):
+        save(directory, save_compressed=layout != "uncompressed")
     experts = [name for name in two_four if MOE_EXPERT.match(name)]
     if experts and layout == "compressed":
         logger.warning(
-            f"{len(experts)} MoE expert layers ({experts[0]}, ...) are stored dense: "
-            "transformers rebuilds its fused experts from per-expert weights only"
+            f"{len(experts)} MoE expert layers ({experts[0]}, ...) are stored dense, in "
+            "the model's own fused experts format"
         )
     compressed = [name for name in two_four if name not in experts]
     sizes = None
@@ -131,6 +133,50 @@ def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout
         sizes = write_sparse24(directory, compressed)
     checkpoint.write_record(directory, record)
     return {"record": record, "compressed_2of4": sizes}
+
+
+@contextlib.contextmanager
+def packed_experts(model):
+    """While saving, llmcompressor's per-expert Linears (``LinearExperts2D``) packed back
+    into the model's own fused experts (llmcompressor's ``to_experts_module``), so that
+    transformers writes the family's native checkpoint keys (Mixtral's ``w1``/``w3``,
+    GPT-OSS' interleaved ``gate_up_proj``) and reloads them; restored afterwards."""
+    from llmcompressor.modeling.moe.linearize import get_linearized_moes
+
+    linearized = get_linearized_moes(model)
+    try:
+        for name, experts in linearized:
+            model.set_submodule(name, _packed(name, experts))
+        yield
+    finally:
+        for name, experts in linearized:
+            model.set_submodule(name, experts)
+
+
+@torch.no_grad()
+def _packed(name: str, experts):
+    """``experts.to_experts_module()``, checked to unpack to the same weights (GPT-OSS'
+    gate and up interleaved, which llmcompressor 0.14 packs as halves, are written
+    again)."""
+    from llmcompressor.modeling.moe.gpt_oss import GptOssLinearExperts
+
+    fused = experts.to_experts_module()
+    if isinstance(experts, GptOssLinearExperts):  # columns 0::2 gate, 1::2 up
+        for index in range(experts.num_experts):
+            expert = experts[index]
+            for offset, linear in enumerate((expert.gate_proj, expert.up_proj)):
+                fused.gate_up_proj[index, :, offset::2].copy_(linear.weight.t())
+                fused.gate_up_proj_bias[index, offset::2].copy_(linear.bias)
+    unpacked = type(experts).from_experts_module(fused, experts._source_config)
+    for index in range(experts.num_experts):
+        for (part, weight), again in zip(experts[index].named_parameters(),
+                                         unpacked[index].parameters(), strict=True):  # fmt: skip
+            if not torch.equal(weight, again):
+                raise RuntimeError(
+                    f"{name}: packing expert {index}'s {part} into "
+                    f"{type(fused).__name__} does not give it back; not saved"
+                )
+    return fused
 
 
 def install_compressed_save(model, modifiers: list) -> None:

@@ -97,8 +97,11 @@ def pairwise_differences(x: torch.Tensor, permutations: torch.Tensor) -> torch.T
     return x.repeat(permutations.shape[0], 1) - x.index_select(0, index)
 
 
-def _as_sequences(x: torch.Tensor) -> torch.Tensor:
-    """View activations as ``[sequences, tokens, m]`` (a 2-d input is one sequence)."""
+def _as_sequences(x: torch.Tensor | list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+    """View activations as ``[sequences, tokens, m]`` (a 2-d input is one sequence); a
+    list of ``[tokens, m]`` (sequences of different lengths, an MoE expert's) as it is."""
+    if isinstance(x, list):
+        return x
     if x.dim() == 2:
         return x.unsqueeze(0)
     if x.dim() != 3:
@@ -151,8 +154,9 @@ def mean_over_sequences(total: torch.Tensor, count: int, scale: float = 1.0) -> 
 
 
 def num_sequences(x: torch.Tensor) -> int:
-    """How many sequences a hook's input holds (``[b, tokens, m]`` or one ``[tokens, m]``)."""
-    return _as_sequences(x).shape[0]
+    """How many sequences a hook's input holds (``[b, tokens, m]``, one ``[tokens, m]``, or
+    a list of ``[tokens, m]``)."""
+    return len(_as_sequences(x))
 
 
 def num_selected_pairs(num_pairs: int, pair_fraction: float) -> int:

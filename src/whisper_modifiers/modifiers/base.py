@@ -5,7 +5,10 @@
 * ``difference_targets`` -- which of the targeted Linear modules get the difference
   statistic (default: the MLP gate and up projections, paper Section 3); every other
   targeted module is pruned by the parent's standard method inside the same modifier;
-* seeded pairwise differences formed within each calibration sequence;
+* seeded pairwise differences formed within each calibration sequence (for an MoE
+  expert, within each sequence's tokens routed to it: ``moe_routing``);
+* the causal mask llmcompressor's sequential pipeline loses for some families
+  (``causal_mask``);
 * ``gamma`` and its per-module choice ``gamma: auto`` (the ``GammaAuto`` mixin of
   ``gamma_auto.py``);
 * input validation before any calibration work;
@@ -29,9 +32,12 @@ from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
+from whisper_modifiers.modifiers.causal_mask import watch_causal_masks
 from whisper_modifiers.modifiers.compressed_save import CompressedSave
 from whisper_modifiers.modifiers.distributed import sequence_offset
 from whisper_modifiers.modifiers.gamma_auto import GammaAuto
+from whisper_modifiers.modifiers.moe_routing import MoERouting
+from whisper_modifiers.modifiers.routed_pairs import RoutedPairs
 from whisper_modifiers.modifiers.sequence_sums import SequenceSumCalibration
 from whisper_modifiers.modifiers.validation import (
     SparsityValidation,
@@ -40,7 +46,6 @@ from whisper_modifiers.modifiers.validation import (
     check_structure_divides,
     parse_mask_structure,
 )
-from whisper_modifiers.saving import MOE_EXPERT
 from whisper_modifiers.statistics import (
     nearest_neighbour_differences,
     pair_permutations,
@@ -48,31 +53,37 @@ from whisper_modifiers.statistics import (
     scaled_sequence_means,
 )
 
-__all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DifferencePruningBase"]
+__all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DEFAULT_IGNORE", "DifferencePruningBase"]
 
-# the gate and up projections of a gated MLP, separate (Llama, Qwen, Mistral, Gemma, ...)
-# or fused into one Linear (Phi-3's gate_up_proj: the same inputs, so the same statistic)
-DEFAULT_DIFFERENCE_TARGETS = [r"re:.*mlp\.(gate|up|gate_up)_proj$"]
-
-
-_EXPERTS_NOTE = (
-    " This model's gated MLPs are MoE experts (%s, ...): their difference statistic needs "
-    "pairs formed within each sequence's tokens routed to the expert, and this version does "
-    "not form them (llmcompressor hands an expert its tokens flattened over the batch, and "
-    "by default every token). Prune the experts with the baseline: difference_targets: [] "
-    "(or patterns naming dense modules only)"
-)
+# the gate and up inputs of every gated MLP in transformers' families: separate (Llama,
+# Qwen, Mistral, Gemma, ...) or fused into one Linear (Phi-3's gate_up_proj, Granite's
+# shared input_linear: the same inputs, so the same statistic), LFM2's w1 / w3, MoE experts
+# as llmcompressor runs them (experts.N.gate_proj) and shared experts; never a router
+DEFAULT_DIFFERENCE_TARGETS = [
+    r"re:.*((mlp|feed_forward|experts\.\d+|shared_experts?)\.(gate_proj|up_proj|gate_up_proj|w1|w3)"
+    r"|shared_mlp\.input_linear)$"
+]
+# MoE routers and shared-expert gates stay dense by default where they are Linears
+# (Qwen2-MoE's shared_expert_gate; mlp.gate and router.layer in earlier transformers)
+DEFAULT_IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*router(\.layer)?$", r"re:.*_expert_gate$"]
 
 
 class DifferencePruningBase(
-    GammaAuto, SparsityValidation, CompressedSave, SequenceSumCalibration, SparsityModifierBase
+    GammaAuto,
+    RoutedPairs,
+    SparsityValidation,
+    CompressedSave,
+    SequenceSumCalibration,
+    SparsityModifierBase,
 ):
     """Fields and routing common to Wisp, Wisp+ and Whisper (see those classes).
 
     :param difference_targets: module-name patterns (``re:`` prefix for a regex, as in
         llmcompressor's ``targets``/``ignore``) that get the difference statistic; ``[]``
         turns every module into the standard method.  Each pattern must match at least
-        one targeted module.
+        one targeted module. The default reaches the gate and up inputs of the gated MLPs
+        of transformers' families, MoE experts and shared experts included
+        (docs/families.md).
     :param seed: seed of the pair permutations; the same seed gives the same masks.
     :param num_permutations: independent permutations per calibration sequence (the
         paper's ``N = k s`` pairs, Appendix "Sampling approach details"); 1 suffices.
@@ -81,8 +92,9 @@ class DifferencePruningBase(
         appendix "Sampling approach details") or ``"centered"`` (the deterministic
         second-moment form of random pairing, appendix "Centering": ``||X_c,j||`` for
         Wisp, ``H_c = X_c X_c^T`` for Whisper; not defined for Wisp+).
-    :param ignore: as llmcompressor's, but defaults to ``["lm_head"]`` (the paper does
-        not prune the LM head, and tied embeddings would be pruned with it).
+    :param ignore: as llmcompressor's, but defaults to ``DEFAULT_IGNORE``: the LM head
+        (the paper does not prune it, and tied embeddings would be pruned with it) and the
+        MoE routers and shared-expert gates that are Linears in some families.
     :param gamma: weight of the standard statistic in the mixture with the difference
         statistic (see each method), or ``"auto"``: chosen per difference module from
         ``gamma_candidates`` by the held-out error of ``selection`` (a gated MLP's gate
@@ -121,7 +133,7 @@ class DifferencePruningBase(
     seed: int = Field(default=0, ge=0)
     num_permutations: int = Field(default=1, ge=1)
     pairing: Literal["random", "nearest", "centered"] = "random"
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    ignore: list[str] = Field(default_factory=lambda: list(DEFAULT_IGNORE))
 
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
@@ -187,6 +199,9 @@ class DifferencePruningBase(
             self._module_sparsities[module] = sparsity
             self.register_hook(module, self._calibrate_finite, "forward")
         self.find_gated_mlps(state.model, modules)
+        self.watch_routing(state.model, [(n, m) for n, m, _ in modules
+                                         if m in self._difference_modules])  # fmt: skip
+        watch_causal_masks(state.model, self.register_hook)
         if self.gamma == "auto":
             self.watch_propagation(state.model)  # model_check
         logger.info(
@@ -201,7 +216,11 @@ class DifferencePruningBase(
         x = args[0]
         check_finite_activations(self._module_names[module], x)
         first = self._sequences_seen.get(module, sequence_offset())  # global index
-        rows = list(range(first, first + (x.shape[0] if x.dim() == 3 else 1)))
+        if module in self._routing:  # the MoE block's batch, flattened
+            count = self._routing.batch_size(module)
+        else:
+            count = x.shape[0] if x.dim() == 3 else 1
+        rows = list(range(first, first + count))
         self._sequences_seen[module] = rows[-1] + 1
         self._calibrated.add(module)
         if self.gamma == "auto" and self.is_difference_module(module):
@@ -211,7 +230,6 @@ class DifferencePruningBase(
 
     def _select_difference_modules(self, modules) -> set[torch.nn.Module]:
         selected = set()
-        experts = [n for n, _, _ in modules if MOE_EXPERT.match(n)]
         for pattern in self.difference_targets:
             matched = [(n, m) for n, m, _ in modules if match_targets(n, m, [pattern])]
             if not matched:
@@ -219,15 +237,10 @@ class DifferencePruningBase(
                 raise ValueError(
                     f"difference_targets pattern {pattern!r} matches none of the "
                     f"{len(modules)} modules this modifier prunes; some of them: "
-                    f"{examples}. Use 're:' for a regex, e.g. "
-                    f"{DEFAULT_DIFFERENCE_TARGETS[0]!r}"
-                    + (_EXPERTS_NOTE % experts[0] if experts else "")  # fmt: skip
-                )
-            routed = [n for n, _ in matched if MOE_EXPERT.match(n)]
-            if routed:
-                raise ValueError(
-                    f"difference_targets pattern {pattern!r} matches {routed[0]}, an MoE "
-                    f"expert ({len(routed)} in all)." + _EXPERTS_NOTE % routed[0]
+                    f"{examples}. Use 're:' for a regex; the default, "
+                    f"{DEFAULT_DIFFERENCE_TARGETS[0]!r}, reaches the gate and up "
+                    "projections of the gated MLPs (MoE experts included) of transformers' "
+                    "families"
                 )
             for name, module in matched:
                 if not isinstance(module, torch.nn.Linear):
@@ -243,7 +256,8 @@ class DifferencePruningBase(
         return module in self._difference_modules
 
     def sequence_differences(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Pairwise differences of every sequence (batch row) of a hook's input.
+        """Pairwise differences of every sequence (batch row) of a hook's input; for an
+        MoE expert, of each sequence's tokens routed to it (``moe_routing``).
 
         Each row gets its own permutations, seeded by ``(seed, module name, global index
         of the sequence)``, so pairs do not depend on batch size, module order or the
@@ -252,7 +266,8 @@ class DifferencePruningBase(
         projection) share the pairs of the first of them: the differences are computed
         once, and ``pair_source`` tells which module they were drawn for.
 
-        :return: ``[b, num_permutations * seq_len, m]`` float32.
+        :return: ``[b, num_permutations * seq_len, m]`` float32; for an expert, a list
+            of ``[num_permutations * routed tokens, m]``, one per sequence with at least 2.
         """
         if self.input_source(module, x) is module:
             self._last_differences = self._draw_differences(module, x)
@@ -263,12 +278,12 @@ class DifferencePruningBase(
         (``module`` itself unless its input is shared, as gate and up share theirs); the
         statistics of the input are computed once, for that module. Recorded as
         ``pair_source``."""
-        cached = self._last_input
-        if cached is not None and cached[0]() is x and cached[1] == x._version:
-            source = cached[2]
-        else:
+        cached, expert = self._last_input, self._routing.expert_of(module)
+        if cached is not None and cached[0]() is x and cached[1:3] == (x._version, expert):
+            source = cached[3]
+        else:  # every expert may get the same tokens: an expert's pairs are its own
             source = module
-            self._last_input = (weakref.ref(x), x._version, module)
+            self._last_input = (weakref.ref(x), x._version, expert, module)
         if self._pair_sources.setdefault(module, source) is not source:
             raise RuntimeError(
                 f"{self._module_names[module]} shared its input with "
@@ -295,24 +310,29 @@ class DifferencePruningBase(
             )
         return x
 
-    def _draw_differences(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _draw_differences(self, module: torch.nn.Module, x: torch.Tensor):
+        if self._routing.is_expert(module):  # sequences whose pairs all vanish add nothing
+            pairs = [self._pairs(module, routed.tokens, self._rows[routed.row])
+                     for routed in self._routing.routed_sequences(module, x)]  # fmt: skip
+            return [differences for differences in pairs if differences.any()]
+        if module in self._routing:
+            x = self._routing.as_sequences(module, x)
         x = self.check_input(module, x)
-        if self.pairing == "nearest":
-            return torch.stack([nearest_neighbour_differences(sequence) for sequence in x])
-        if self.pairing != "random":
+        if self.pairing == "centered":
             raise RuntimeError(f"pairing {self.pairing!r} forms no explicit pairs")
+        rows = zip(self._rows, x, strict=True)
+        return torch.stack([self._pairs(module, sequence, row) for row, sequence in rows])
+
+    def _pairs(self, module: torch.nn.Module, sequence: torch.Tensor, row: int) -> torch.Tensor:
+        """The differences of one sequence's tokens ``[tokens, m]``, with global index
+        ``row``: seeded by ``(seed, module name, row)``, or nearest neighbours."""
+        if self.pairing == "nearest":
+            return nearest_neighbour_differences(sequence)
         module_id = zlib.crc32(self._module_names[module].encode())
-        return torch.stack(
-            [
-                pairwise_differences(
-                    sequence,
-                    pair_permutations(
-                        x.shape[1], self.num_permutations, (self.seed, module_id, row)
-                    ),
-                )
-                for row, sequence in zip(self._rows, x, strict=True)
-            ]
+        permutations = pair_permutations(
+            sequence.shape[0], self.num_permutations, (self.seed, module_id, row)
         )
+        return pairwise_differences(sequence, permutations)
 
     def add_centering(self, module: torch.nn.Module, x: torch.Tensor, add):
         """Add ``s x_bar x_bar^T`` (or its diagonal) of each sequence with ``add``
@@ -334,6 +354,7 @@ class DifferencePruningBase(
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._last_input = self._last_differences = None  # release the layer's last batch
+        self.log_routing_skips()
         super().on_sequential_epoch_end(state, event, **kwargs)
         self._calibrated = set()
 
@@ -346,4 +367,5 @@ class DifferencePruningBase(
         self._centering = dict()
         self._rows = []
         self._calibrated = set()
+        self._routing = MoERouting()
         self._reset_gamma_auto()

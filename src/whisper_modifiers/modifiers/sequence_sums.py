@@ -44,13 +44,17 @@ class SequenceSumCalibration:
                       x: torch.Tensor, add) -> None:  # fmt: skip
         """Add ``add``'s term of each sequence of ``x`` (``add_sequence_grams`` or
         ``add_sequence_channel_norms``) to ``module``'s float64 sum in the dict attribute
-        ``statistic``, and the sequences to its ``count`` (one of ``SEQUENCE_SUMS``' pairs).
+        ``statistic``, and the sequences to its ``count`` (one of ``SEQUENCE_SUMS``' pairs);
+        ``x`` is ``[b, tokens, m]``, ``[tokens, m]`` or a list of ``[tokens, m]``.
         Summed on the module's execution device; a Gram sum is kept on the CPU between
         batches with ``offload_hessians``."""
+        if num_sequences(x) == 0:
+            return  # an MoE expert's batch without a sequence of 2 routed tokens
         sums, counts = getattr(self, statistic), getattr(self, count)
         device = get_execution_device(module)
         total = sums.get(module)
-        total = add(None if total is None else total.to(device), x.to(device))
+        x = [sequence.to(device) for sequence in x] if isinstance(x, list) else x.to(device)
+        total = add(None if total is None else total.to(device), x)
         offload = add is add_sequence_grams and getattr(self, "offload_hessians", False)
         sums[module] = total.cpu() if offload else total
         counts[module] = counts.get(module, 0) + num_sequences(x)

@@ -88,10 +88,12 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             self._difference_hessians[module] = self.centered(module, self._hessians[module])
             del self._centering[module]
         for module, source in self._pair_sources.items():
-            if source is not module and source in self._difference_hessians:  # this layer
+            if source is not module and source in self._hessians:  # this layer
                 self._hessians[module] = self._hessians[source].clone()
                 self._num_samples[module] = self._num_samples[source]
-                self._difference_hessians[module] = self._difference_hessians[source]
+                if source in self._difference_hessians:
+                    self._difference_hessians[module] = self._difference_hessians[source]
+        self._warn_without_pairs()
         for module in list(self._difference_hessians):
             difference_hessian = self._difference_hessians.pop(module)
             self._difference_samples.pop(module, None)
@@ -101,6 +103,16 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             )
         modules = [m for m in self._module_names if m in self._num_samples]
         solve_on_owners(self, modules, self.solve)
+
+    def _warn_without_pairs(self):
+        """An MoE expert that no calibration sequence sent 2 tokens has no ``H_Delta``:
+        it is pruned with ``H`` alone (SparseGPT)."""
+        for module in self._hessians:
+            if self.is_difference_module(module) and module not in self._difference_hessians:
+                logger.warning(
+                    f"{self._module_names[module]} received fewer than 2 tokens of every "
+                    "calibration sequence, so no pair: it is pruned with SparseGPT's H"
+                )
 
     def regularized_hessian(self, module, gamma: float) -> torch.Tensor:
         """A new ``H~`` of ``module`` at ``gamma`` from the statistics held now (its

@@ -48,7 +48,7 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         WispModifier:
           sparsity: 0.5
           mask_structure: "2:4"
-          difference_targets: ['re:.*mlp\\.(gate|up|gate_up)_proj$']
+          # difference_targets: default, every gated MLP's gate and up (experts too)
           ignore: ["lm_head"]
           seed: 0
     ```
@@ -82,8 +82,9 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
 
     def _accumulate_plain_norms(self, module, x: torch.Tensor):
         """Wanda's ``||X_j||^2`` beside the difference statistic, for a mixture
-        (``gamma`` neither 0 nor 1)."""
-        if self.gamma == 0:
+        (``gamma`` neither 0 nor 1), and always for an MoE expert (its statistic if no
+        sequence sends it 2 tokens: ``_fall_back_without_pairs``)."""
+        if self.gamma == 0 and not self._routing.is_expert(module):
             return
         self.add_sequences("_plain_norms", "_plain_counts", module, x, add_sequence_channel_norms)
 
@@ -99,9 +100,30 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         then prune each module on one rank (``distributed``); in one process, just
         ``solve``."""
         self.reduce_and_select()
+        self._fall_back_without_pairs()
         calibrated = set(self._num_samples) | set(getattr(self, "_neuronwise_counts", {}))
         modules = [m for m in self._module_names if m in calibrated]
         solve_on_owners(self, modules, self.solve)
+
+    def _fall_back_without_pairs(self):
+        """An MoE expert that no calibration sequence sent 2 tokens has no pair: it is
+        pruned with Wanda's statistic, which it always keeps, and a warning."""
+        for module in [m for m in self._plain_norms if self._routing.is_expert(m)]:
+            if self._has_pairs(module):
+                continue
+            logger.warning(
+                f"{self._module_names[module]} received fewer than 2 tokens of every "
+                "calibration sequence, so no pair: it is pruned with Wanda's statistic"
+            )
+            self._drop_difference_statistics(module)
+            self._row_scalars[module] = self._plain_norms.pop(module)
+            self._num_samples[module] = self._plain_counts.pop(module)
+
+    def _has_pairs(self, module) -> bool:
+        return module in self._row_scalars
+
+    def _drop_difference_statistics(self, module):
+        pass  # Wisp's are in _row_scalars, absent here
 
     def channel_statistic(self, module, gamma: float) -> torch.Tensor:
         """The statistic under ``|W_ij|`` in the saliency, from the statistics held now:
@@ -257,6 +279,15 @@ class WispPlusModifier(WispModifier):
             self._drop_statistics(module)
             self._prune(module, statistic, count)
         super().solve()
+
+    def _has_pairs(self, module) -> bool:
+        return self._neuronwise_counts.get(module, 0) > 0
+
+    def _drop_difference_statistics(self, module):
+        statistics = (self._neuronwise_counts, self._neuronwise_sums, self._difficulty_sums,
+                      self._row_scalars, self._num_samples)  # fmt: skip
+        for held in statistics:
+            held.pop(module, None)
 
     def _specialize(self, module, neuronwise: torch.Tensor) -> torch.Tensor:
         """Wisp+'s rows for the most difficult neurons, Wisp's for the rest."""

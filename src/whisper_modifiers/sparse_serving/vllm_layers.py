@@ -205,6 +205,21 @@ class Sparse24Config(QuantizationConfig):
             return QUANT_METHOD  # the legacy layout is ours; quantized ones are not
         return None
 
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """Rename ``targets`` and ``ignore`` as the model's vLLM modules are named (GPT-OSS'
+        ``self_attn`` is vLLM's ``attn``), as compressed-tensors' config does; regexes and
+        ``Linear`` are kept."""
+
+        def renamed(names: list[str]) -> list[str]:
+            mapped = [hf_to_vllm_mapper.map_name(name)
+                      if "." in name and not name.startswith("re:") else name
+                      for name in names]  # fmt: skip
+            return [name for name in mapped if name is not None]
+
+        self.targets, self.ignore = renamed(self.targets), renamed(self.ignore)
+        if self.quantization is not None:
+            self.quantization.apply_vllm_mapper(hf_to_vllm_mapper)
+
     def _compressed(self, name: str) -> bool:
         if any(_matches(name, pattern) for pattern in self.ignore):
             return False
