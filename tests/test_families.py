@@ -311,3 +311,19 @@ def test_whisper_prune_prunes_an_moe_model(tmp_path, tokenizer):
     fused = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).model.layers[1]
     for index in range(NUM_EXPERTS):
         assert_two_four(fused.mlp.experts.gate_up_proj[index], f"expert {index}")
+
+
+def test_a_family_without_gated_mlp_is_refused_naming_its_modules(tmp_path, tokenizer,
+                                                                  calibration):  # fmt: skip
+    """OPT's MLP is not gated (fc1, fc2): the default reaches nothing, and the error lists
+    the modules there are and what the default looks for, before any calibration."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, ffn_dim=128, word_embed_proj_dim=64,
+                       max_position_embeddings=256)  # fmt: skip
+    source = tiny_model(tmp_path / "opt", tokenizer, OPTForCausalLM, config)
+    with pytest.raises(ValueError, match=r"matches none of the 12 modules .*fc1.* reaches the "
+                                         r"gate and up projections of the gated MLPs"):  # fmt: skip
+        oneshot(model=str(source), dataset=calibration, tokenizer=tokenizer,
+                recipe=[WhisperModifier(sparsity=0.5, mask_structure="2:4")])  # fmt: skip
