@@ -23,6 +23,7 @@ from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
 from whisper_modifiers.checkpoint import RECORD_FILE
 from whisper_modifiers.preflight import meta_model
 from whisper_modifiers.sparse_serving import QUANT_METHOD
+from whisper_modifiers.sparse_serving.format import check_two_four
 
 pytestmark = pytest.mark.slow
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -65,7 +66,7 @@ def test_phi3_fused_gate_up_gets_the_difference_statistic(tmp_path, tokenizer, c
     for name, weight in model.state_dict().items():
         assert torch.equal(reloaded[name], weight), name
     gate_up = reloaded["model.layers.1.mlp.gate_up_proj.weight"]
-    assert ((gate_up == 0).reshape(gate_up.shape[0], -1, 4).sum(-1) >= 2).all()
+    check_two_four(gate_up, "model.layers.1.mlp.gate_up_proj")
 
 
 # -- every family of the table in docs/families.md -----------------------------------------
@@ -171,14 +172,9 @@ def test_family_gets_the_difference_statistic_and_saves_exact_2_4(tmp_path, toke
               and n.startswith("model.layers.") and ".experts." not in n
               and n not in dense]  # fmt: skip
     for name in pruned:
-        assert_two_four(weights[f"{name}.weight"], name)
+        check_two_four(weights[f"{name}.weight"], name)
     if ".experts." in "".join(difference):
         assert_experts_reloaded(model, reloaded)
-
-
-def assert_two_four(weight: torch.Tensor, name: str):
-    groups = (weight == 0).reshape(*weight.shape[:-1], -1, 4).sum(-1)
-    assert (groups >= 2).all(), name
 
 
 def assert_experts_reloaded(model, reloaded):
@@ -191,7 +187,7 @@ def assert_experts_reloaded(model, reloaded):
             single = _single_expert(fused_block.experts, index, expert.gate_proj.out_features)
             assert torch.equal(single["gate"], expert.gate_proj.weight.detach())
             assert torch.equal(single["up"], expert.up_proj.weight.detach())
-            assert_two_four(single["gate"], f"expert {index}")
+            check_two_four(single["gate"], f"expert {index}")
 
 
 def _single_expert(experts, index: int, width: int) -> dict:
@@ -310,7 +306,7 @@ def test_whisper_prune_prunes_an_moe_model(tmp_path, tokenizer):
     assert "model.layers.1.mlp.experts.3.gate_proj" in json.dumps(record)
     fused = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).model.layers[1]
     for index in range(NUM_EXPERTS):
-        assert_two_four(fused.mlp.experts.gate_up_proj[index], f"expert {index}")
+        check_two_four(fused.mlp.experts.gate_up_proj[index], f"expert {index}")
 
 
 def test_a_family_without_gated_mlp_is_refused_naming_its_modules(tmp_path, tokenizer,
