@@ -111,15 +111,19 @@ class MoERouting:
         b, s = self._shape(module)
         hidden, top_k_index = self._routes[member.container]
         routed = top_k_index == member.index  # [b s, k]
-        if get_calibrate_all_experts_flag():
+        if get_calibrate_all_experts_flag():  # x is the container's tokens, all of them
             positions = routed.any(dim=-1).nonzero().squeeze(1)
-            received = x.index_select(0, positions) if x.shape[0] == b * s else None
+            faithful = x is hidden or torch.equal(x, hidden)
+            received = x.index_select(0, positions) if faithful else None
         else:  # x = hidden[token_indices], token_indices as LinearExperts2D orders them
             _, token_indices = torch.where(routed.t())
             order = token_indices.argsort()
             positions = token_indices[order]
             received = x[order] if x.shape[0] == len(positions) else None
-        if received is None or not torch.equal(received, hidden.index_select(0, positions)):
+            faithful = received is not None and torch.equal(
+                received, hidden.index_select(0, positions)
+            )
+        if not faithful:
             raise RuntimeError(
                 f"the input of an expert of {type(member.container).__name__} is not the "
                 "tokens its router sent it; its pairs cannot follow the routing"
