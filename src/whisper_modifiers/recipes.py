@@ -115,12 +115,12 @@ def storage_layout(layout: str, modifiers: list) -> str:
     """``--layout`` resolved: ``compressed`` needs a 2:4 recipe, unquantized or quantized
     to one 8-bit value per weight (W8A8, FP8); 4-bit packed weights keep the dense layout
     (``saving.storage_layout``, what ``auto`` gives)."""
-    from whisper_modifiers.saving import packs_weights
+    from whisper_modifiers.saving import packs_weights, prunes_two_four
     from whisper_modifiers.saving import storage_layout as automatic
 
     if layout == "auto":
         return automatic(modifiers)
-    two_four = any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
+    two_four = prunes_two_four(modifiers)
     packed = packs_weights(modifiers)
     if layout == "compressed" and (packed or not two_four):
         raise UsageError(

@@ -45,6 +45,7 @@ __all__ = [
     "install_compressed_save",
     "llmcompressor_save",
     "packs_weights",
+    "prunes_two_four",
     "storage_layout",
     "two_four_layers",
     "write_checkpoint",
@@ -86,11 +87,15 @@ def packs_weights(modifiers: list) -> bool:
     )
 
 
+def prunes_two_four(modifiers: list) -> bool:
+    """Whether a modifier of the recipe prunes to 2:4."""
+    return any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
+
+
 def storage_layout(modifiers: list) -> str:
     """``compressed`` for a 2:4 recipe stored unquantized or as 8-bit values, else
     ``dense``."""
-    two_four = any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
-    return "compressed" if two_four and not packs_weights(modifiers) else "dense"
+    return "compressed" if prunes_two_four(modifiers) and not packs_weights(modifiers) else "dense"
 
 
 def gamma_selection(modifiers) -> dict[str, dict]:

@@ -50,6 +50,14 @@ class RoutedPairs(BaseModel):
                 self._routing_skips[self._module_names[module]] = tuple(counts)
         self._routing.release()
 
+    def warn_without_pairs(self, module: torch.nn.Module, baseline: str) -> None:
+        """Say that ``module`` (an MoE expert no calibration sequence sent 2 tokens) has no
+        pair, and is pruned with ``baseline``."""
+        logger.warning(
+            f"{self._module_names[module]} received fewer than 2 tokens of every calibration "
+            f"sequence, so no pair: it is pruned with {baseline}"
+        )
+
     def routing_skips(self) -> dict[str, tuple[int, int]]:
         """``{expert module: (sequences with fewer than 2 routed tokens, sequences)}`` of
         the last calibration (the modules that drew the pairs: an expert's gate)."""

@@ -109,10 +109,7 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         it is pruned with ``H`` alone (SparseGPT)."""
         for module in self._hessians:
             if self.is_difference_module(module) and module not in self._difference_hessians:
-                logger.warning(
-                    f"{self._module_names[module]} received fewer than 2 tokens of every "
-                    "calibration sequence, so no pair: it is pruned with SparseGPT's H"
-                )
+                self.warn_without_pairs(module, "SparseGPT's H")
 
     def regularized_hessian(self, module, gamma: float) -> torch.Tensor:
         """A new ``H~`` of ``module`` at ``gamma`` from the statistics held now (its

@@ -111,10 +111,7 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         for module in [m for m in self._plain_norms if self._routing.is_expert(m)]:
             if self._has_pairs(module):
                 continue
-            logger.warning(
-                f"{self._module_names[module]} received fewer than 2 tokens of every "
-                "calibration sequence, so no pair: it is pruned with Wanda's statistic"
-            )
+            self.warn_without_pairs(module, "Wanda's statistic")
             self._drop_difference_statistics(module)
             self._row_scalars[module] = self._plain_norms.pop(module)
             self._num_samples[module] = self._plain_counts.pop(module)
