@@ -1,7 +1,7 @@
 """2:4 sparse GEMMs against dense on one GPU, in one run (``sparse_serving.kernels``).
 
-    python benchmarks/sparse_kernels.py                       # all three sets
-    python benchmarks/sparse_kernels.py --layers 8 --skip-vllm
+    python benchmarks/sparse_kernels.py                       # both sets
+    python benchmarks/sparse_kernels.py --layers 8 --skip-per-shape
 
 1. Per shape: Llama 7B / 8B / 70B projection shapes (vLLM's fused qkv and gate_up, o,
    down) × tokens 1…16384: dense ``F.linear`` against cuSPARSELt always sparse and against
@@ -10,8 +10,9 @@
    random weights pruned 2:4 by magnitude, bf16, SDPA attention) at batch × sequence from
    1×1 to 8×4096, one forward (logits of the last position, as a prefill computes): dense
    against ``accelerate(model)`` (dispatch) and against always sparse.
-3. Where vLLM with a GPU is installed: offline-engine throughput (prefill-heavy and
-   decode-heavy) of the compressed 2:4 checkpoint against the dense one.
+
+vLLM's engine, the compressed 2:4 checkpoint against the dense one, one engine per
+process: ``vllm_speed.py``.
 
 Every time is the median of CUDA-graph replays (eager timing where a forward cannot be
 captured; the table says which). Ratios are dense time / other time: above 1 is faster.
@@ -22,10 +23,7 @@ Writes ``sparse_kernels.md``, ``sparse_kernels.json`` and ``sparse_kernels.png``
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -218,75 +216,6 @@ def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[
     return rows
 
 
-def vllm_throughput(layers: int) -> dict:
-    """Offline-engine tokens/s of the compressed 2:4 checkpoint against the dense one."""
-    import torch
-    from transformers import AutoTokenizer  # noqa: F401  (vLLM needs a tokenizer dir)
-
-    from whisper_modifiers.sparse_serving.layout import write_sparse24
-
-    with tempfile.TemporaryDirectory() as root:
-        dense_dir, sparse_dir = Path(root, "dense"), Path(root, "sparse24")
-        model = llama_7b_shaped(layers, torch.bfloat16)
-        model.save_pretrained(dense_dir)
-        model.save_pretrained(sparse_dir)
-        targets = [
-            name
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and ".layers." in name
-        ]
-        del model
-        torch.cuda.empty_cache()
-        write_sparse24(sparse_dir, targets)
-        result = {}
-        for label, directory in (("dense", dense_dir), ("sparse24", sparse_dir)):
-            result[label] = _engine_throughput(directory)
-        for workload in ("prefill", "decode"):
-            result[f"{workload}_ratio"] = result["sparse24"][workload] / result["dense"][workload]
-        return result
-
-
-def _engine_throughput(directory: Path) -> dict:
-    import gc
-
-    import torch
-    from vllm import LLM, SamplingParams
-
-    engine = LLM(
-        str(directory),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=4096,
-        gpu_memory_utilization=0.6,
-    )
-    vocab = 32000
-    generator = torch.Generator().manual_seed(0)
-    out = {}
-    for workload, prompts, prompt_len, max_tokens in (
-        ("prefill", 32, 2048, 1),
-        ("decode", 64, 16, 256),
-    ):
-        requests = [
-            {
-                "prompt_token_ids": torch.randint(
-                    0, vocab, (prompt_len,), generator=generator
-                ).tolist()
-            }
-            for _ in range(prompts)
-        ]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-        engine.generate(requests[:2], params)  # warm-up
-        start = time.perf_counter()
-        engine.generate(requests, params)
-        seconds = time.perf_counter() - start
-        tokens = prompts * (prompt_len if workload == "prefill" else max_tokens)
-        out[workload] = tokens / seconds
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
-
-
 def write_tables(out: Path, payload: dict) -> None:
     lines = [
         f"# 2:4 sparse GEMMs against dense ({payload['gpu']})",
@@ -335,17 +264,6 @@ def write_tables(out: Path, payload: dict) -> None:
                 f"{r['dispatch_ratio']:.2f}× | {r['sparse_ratio']:.2f}× | {r['timing']} |"
             )
         lines.append("")
-    lines += ["## vLLM offline engine", ""]
-    vllm = payload.get("vllm")
-    if isinstance(vllm, dict):
-        lines += ["| workload | dense tokens/s | 2:4 tokens/s | ratio |", "|---|---|---|---|"]
-        for workload in ("prefill", "decode"):
-            lines.append(
-                f"| {workload} | {vllm['dense'][workload]:.0f} | "
-                f"{vllm['sparse24'][workload]:.0f} | {vllm[workload + '_ratio']:.2f}× |"
-            )
-    else:
-        lines.append(str(vllm))
     (out / "sparse_kernels.md").write_text("\n".join(lines) + "\n")
     write_json(out / "sparse_kernels.json", payload)
     plot(out, payload)
@@ -421,7 +339,6 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--skip-per-shape", action="store_true")
     parser.add_argument("--skip-end-to-end", action="store_true")
-    parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.layers < 1 or min(args.tokens) < 1:
@@ -451,12 +368,6 @@ def main(argv=None) -> int:
         for compiled in (False, True) if args.compile else (False,):
             payload["end_to_end"] += end_to_end(args.layers, args.forwards, dtype, compiled)
             torch.cuda.empty_cache()
-    if args.skip_vllm:
-        payload["vllm"] = "skipped (--skip-vllm)"
-    elif importlib.util.find_spec("vllm") is None:
-        payload["vllm"] = "vLLM is not installed in this environment: not measured"
-    else:
-        payload["vllm"] = vllm_throughput(args.layers)
     args.out.mkdir(parents=True, exist_ok=True)
     write_tables(args.out, payload)
     print((args.out / "sparse_kernels.md").read_text())

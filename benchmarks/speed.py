@@ -199,23 +199,25 @@ def measure_random(args, method, offload_device, batch_size, pipeline) -> dict:
 def main_random(args) -> int:
     import torch
 
-    rows = []
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    payload = {"config": vars(args) | {"out": str(args.out)}, "device": device, "rows": []}
     for offload_device in args.offload_devices:
         for batch_size in args.batch_sizes:
             for method, pipeline in itertools.product(args.methods, args.pipelines):
                 row = measure_random(args, method, offload_device, batch_size, pipeline)
-                rows.append(row)
+                payload["rows"].append(row)
                 print(f"{method:<14} {pipeline:<17} cache {offload_device:<5} batch {batch_size}: "
                       f"{row['seconds']:7.2f} s ({row['seconds_per_layer']:.2f} s/layer), "
                       f"peak +{row['peak_bytes'] / 2**30:.1f} GiB", flush=True)  # fmt: skip
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    config = vars(args) | {"out": str(args.out)}
-    write_random_tables(args.out, {"config": config, "device": device, "rows": rows})
+                # the rows so far, so that a run stopped at a time limit keeps them
+                write_random_tables(args.out, payload, show=False)
+    write_random_tables(args.out, payload)
     return 0
 
 
-def write_random_tables(out: Path, payload: dict) -> None:
-    """``speed_random.md`` and ``speed_random.json`` from ``main_random``'s payload."""
+def write_random_tables(out: Path, payload: dict, show: bool = True) -> None:
+    """``speed_random.md`` and ``speed_random.json`` from ``main_random``'s payload (and
+    the table printed, with ``show``)."""
     config, rows = payload["config"], payload["rows"]
     lines = [
         "# Speed: Llama-2-7B-shaped decoder, random weights",
@@ -224,11 +226,12 @@ def write_random_tables(out: Path, payload: dict) -> None:
         f"{config['random_layers']}` on {payload['device']}: hidden {config['hidden']}, MLP "
         f"{config['intermediate']}, {config['num_sequences']} × {config['seq_len']} calibration "
         f"tokens, mask {config['structure']}, one run each. Peak memory is above the level at "
-        "the start (CUDA: allocated).",
+        "the start (CUDA: allocated). The 32-layer column extrapolates s / layer to a "
+        "32-layer 7B (Llama-2-7B's depth): an estimate, not a measurement.",
         "",
         "| method | pipeline | activation cache | batch | time (s) | s / layer "
-        "| target s / layer | peak extra memory (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| target s / layer | 32 layers (min) | peak extra memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         target = r["layer_target"]
@@ -237,11 +240,12 @@ def write_random_tables(out: Path, payload: dict) -> None:
             f"| {r['method']} | {r['pipeline']} | {r['offload_device']} | {r['batch_size']} | "
             f"{r['seconds']:.1f} | "
             f"{r['seconds_per_layer']:.2f} | {'-' if target is None else f'≤ {target} {mark}'} | "
-            f"{r['peak_bytes'] / 2**30:.1f} |"
+            f"{r['seconds_per_layer'] * 32 / 60:.1f} | {r['peak_bytes'] / 2**30:.1f} |"
         )
     write_json(out / "speed_random.json", payload)
     (out / "speed_random.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if show:
+        print("\n".join(lines))
 
 
 def main_batch_effect(args) -> int:

@@ -142,9 +142,57 @@ def test_sparse_kernel_tables_and_plot_from_a_measured_payload(tmp_path):
     sparse_kernels.write_tables(tmp_path, payload)
     table = (tmp_path / "sparse_kernels.md").read_text()
     assert "| 7B | gate_up | (22016, 4096) |" in table
-    assert "| torch.compile | 8×4096 | 32768 |" in table and "vLLM" in table
+    assert "| torch.compile | 8×4096 | 32768 |" in table
     assert (tmp_path / "sparse_kernels.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "sparse_kernels.json").read_text()) == payload
+
+
+def test_random_layer_speed_keeps_the_rows_measured_before_a_stop(tmp_path, monkeypatch):
+    """On a GPU the run has a time limit: each row is written as it is measured, so a run
+    stopped by that limit (here at the second method) keeps the rows before it."""
+    import speed
+
+    def measure(args, method, offload_device, batch_size, pipeline):
+        if method == "wisp":
+            raise KeyboardInterrupt  # the limit's kill
+        return {"method": method, "pipeline": pipeline, "offload_device": offload_device,
+                "batch_size": batch_size, "seconds": 3.0, "seconds_per_layer": 1.5,
+                "layer_target": 1.6, "peak_bytes": 2**30}  # fmt: skip
+
+    monkeypatch.setattr(speed, "measure_random", measure)
+    with pytest.raises(KeyboardInterrupt):
+        speed.main(["--random-layers", "2", "--methods", "wanda", "wisp", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "speed_random.json").read_text())["rows"]
+    assert [(r["method"], r["pipeline"]) for r in rows] == [
+        ("wanda", "sequential"), ("wanda", "whisper_layerwise")]  # fmt: skip
+    table = (tmp_path / "speed_random.md").read_text()
+    assert "| wanda | whisper_layerwise | cuda | 1 | 3.0 | 1.50 | ≤ 1.6 ✓ | 0.8 | 1.0 |" in table
+
+
+def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
+    """Each engine's result is written as it comes, with its ratio against dense, so that
+    a GPU run stopped by its time limit (here during the second engine) keeps the first."""
+    import vllm_speed
+
+    def run_engine(command, out, timeout):
+        if "sparse" in command:
+            raise KeyboardInterrupt  # the limit's kill
+        assert command[command.index("--max-cudagraph-capture-size") + 1] == "2048"
+        return {"device": "H100", "weights": {"ratio": None, "packed_layers": 0},
+                "graphs": {"max_cudagraph_capture_size": 2048, "max_num_batched_tokens": 8192},
+                "workloads": {"decode:2x8": {"tokens_per_s": 100.0, "seconds": [0.16]}},
+                "profiles": {}}  # fmt: skip
+
+    monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
+    argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--modes", "sparse",
+            "--capture-sizes", "2048", "--workloads", "decode:2x8", "--python", sys.executable,
+            "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        vllm_speed.main(argv)
+    engines = json.loads((tmp_path / "vllm_speed.json").read_text())["engines"]
+    assert list(engines) == ["dense@2048"] and engines["dense@2048"]["workloads"]["decode:2x8"][
+        "ratio"] == 1.0  # fmt: skip
+    assert "| dense | 2048 | 2048 / 8192 | – | 100 |" in (tmp_path / "vllm_speed.md").read_text()
 
 
 def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
@@ -161,7 +209,11 @@ def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
         (method, pipeline, batch) for batch in (1, 2) for method in ("wisp", "sparsegpt")
         for pipeline in pipelines]  # fmt: skip
     assert all(r["seconds"] > 0 and r["layer_target"] is None for r in rows)  # not 7B-shaped
-    assert "| wisp | whisper_layerwise | cpu | 2 |" in (tmp_path / "speed_random.md").read_text()
+    table = (tmp_path / "speed_random.md").read_text()
+    assert "| wisp | whisper_layerwise | cpu | 2 |" in table
+    for r in rows:  # the 32-layer extrapolation, in minutes, beside the peak memory
+        minutes, gib = r["seconds_per_layer"] * 32 / 60, r["peak_bytes"] / 2**30
+        assert f"| {minutes:.1f} | {gib:.1f} |" in table
 
 
 def test_speed_benchmark_times_the_pipelines_and_compares_their_weights(tmp_path):

@@ -412,9 +412,47 @@ def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, t
     assert "| 2/2 | – |" in (tmp_path / "vllm_correctness.md").read_text()
 
 
+def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
+    """benchmarks/vllm_speed.py on a tiny random Llama (head size 64): the dense and the
+    compressed 2:4 checkpoint each in their own engine process, every workload timed and
+    profiled, and each 2:4 layer counted (on a CPU vLLM packs the weight into its oneDNN
+    GEMM, so no byte ratio is claimed)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    speed = runpy.run_path(str(REPO / "benchmarks" / "vllm_speed.py"))
+    argv = ["--shape", "tiny", "--layers", "2", "--dtype", "float32", "--modes", "sparse",
+            "--workloads", "prefill:2x64", "decode:2x8", "--repeats", "1", "--profile",
+            "--timeout", str(VLLM_TIMEOUT), "--out", str(tmp_path)]  # fmt: skip
+    assert speed["main"](argv) == 0
+    engines = json.loads((tmp_path / "vllm_speed.json").read_text())["engines"]
+    assert list(engines) == ["dense@0", "2:4 sparse@0"]
+    dense, sparse24 = engines.values()
+    assert dense["weights"]["layers"] == 0
+    # qkv_proj, o_proj, gate_up_proj and down_proj of each of the 2 layers, float32
+    weights = sparse24["weights"]
+    assert weights["layers"] == 8
+    assert weights["dense_bytes"] == 2 * 4 * (384 + 128 + 512 + 256) * 128
+    # decompressed: vLLM's CPU GEMM packs the weight out of sight (oneDNN), or keeps it
+    assert (weights["packed_layers"], weights["ratio"]) in ((8, None), (0, 1.0))
+    assert sparse24["mode"] == "sparse" and sparse24["engine"]["enforce_eager"]
+    for workload in ("prefill:2x64", "decode:2x8"):
+        cell = sparse24["workloads"][workload]
+        assert cell["tokens_per_s"] > 0 and cell["ratio"] > 0
+        top = sparse24["profiles"][workload]["top"]
+        assert top and all(row["calls"] > 0 for row in top)
+        assert "_cslt_sparse_mm" not in sparse24["profiles"][workload]["watched"]  # no GPU
+    table = (tmp_path / "vllm_speed.md").read_text()
+    steps = sparse24["engine"]["max_model_len"]  # no graphs on a CPU; steps of whole prompts
+    assert sparse24["graphs"]["max_num_batched_tokens"] >= steps
+    row = f"| 2:4 sparse | 0 | eager / {sparse24['graphs']['max_num_batched_tokens']} |"
+    assert f"{row} packed by vLLM's CPU GEMM |" in table or f"{row} 1.00× |" in table
+    assert "## Profile: 2:4 sparse@0, decode:2x8" in table
+
+
 def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
     """vLLM's real ``VllmConfig.compute_hash`` (its compile-cache key) changes with the
-    plugin's kernel mode and with any layer's plan, and only with them."""
+    plugin's kernel mode and with any layer's plan, and only with them; and with the
+    CUDA-graph capture size the serving benchmark sets (``vllm_speed.py
+    --capture-sizes``), which vLLM hashes itself, so the plugin need not."""
     script = (
         "from vllm.config import VllmConfig\n"
         "from whisper_modifiers.sparse_serving.compile_key import note_layer\n"
@@ -430,9 +468,16 @@ def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
         "print('PLAN', base != key('auto', {'a': PLAN | {'sparse_from': 512}, 'b': None}))\n"
         "print('DENSE', base != key('auto', {'a': None, 'b': None}))\n"
         "print('UNTOUCHED', key('auto', {}) == VllmConfig().compute_hash())\n"
+        "from vllm.config import CompilationConfig\n"
+        "def captured(size):\n"
+        "    config = VllmConfig(compilation_config=CompilationConfig(\n"
+        "        max_cudagraph_capture_size=size))\n"
+        "    note_layer(config, 'a', 'auto', PLAN)\n"
+        "    return config.compute_hash()\n"
+        "print('CAPTURE', captured(512) != captured(2048) and captured(512) == captured(512))\n"
     )
     done = in_serving_env(script)
-    for check in ("SAME", "MODE", "PLAN", "DENSE", "UNTOUCHED"):
+    for check in ("SAME", "MODE", "PLAN", "DENSE", "UNTOUCHED", "CAPTURE"):
         assert f"{check} True" in done.stdout, done.stdout + done.stderr[-2000:]
 
 

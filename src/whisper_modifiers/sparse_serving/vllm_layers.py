@@ -34,6 +34,7 @@ from whisper_modifiers.sparse_serving.vllm_loading import (
     register_compressed,
     take_dense_weight,
 )
+from whisper_modifiers.sparse_serving.weight_bytes import DENSE_BYTES_ATTRIBUTE
 
 __all__ = [
     "QuantizedChainLinearMethod",
@@ -63,6 +64,7 @@ class Sparse24LinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         weight = take_dense_weight(layer)
+        setattr(layer, DENSE_BYTES_ATTRIBUTE, weight.numel() * weight.element_size())
         kernel = serving_kernel(weight)
         if self.vllm_config is not None:
             plan = None if kernel is None else asdict(kernel.plan)

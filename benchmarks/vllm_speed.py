@@ -1,0 +1,236 @@
+"""vLLM serving speed of a compressed 2:4 checkpoint against the same model dense, with
+what the 2:4 layers hold for their weights and, with ``--profile``, where the time goes.
+
+    python benchmarks/vllm_speed.py --layers 8 --profile            # GPU: Llama-7B-shaped
+    python benchmarks/vllm_speed.py --modes auto sparse --capture-sizes 0 2048
+    python benchmarks/vllm_speed.py --shape tiny --dtype float32 --workloads decode:2x8
+
+Builds a Llama-7B-shaped decoder of ``--layers`` layers with random weights (every decoder
+Linear pruned 2:4 by magnitude; ``--shape tiny`` is a 2-layer, hidden-128 stand-in for a
+CPU smoke run), saves it dense and in the compressed 2:4 layout, and runs one engine per
+configuration, each in its own process (``vllm_engine.py``, with the serving
+environment's Python): the dense checkpoint, then the 2:4 one in each kernel ``--modes``
+(``$WHISPER_MODIFIERS_SPARSE24``: ``auto`` keeps the dense weight beside the compressed
+one, ``sparse`` the compressed one alone); each at each ``--capture-sizes`` (vLLM's
+``max_cudagraph_capture_size``, 0 for vLLM's default). Ratios are 2:4 tokens/s over dense
+tokens/s at the same capture size: above 1 is faster. Writes ``vllm_speed.md`` and
+``vllm_speed.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, write_json  # noqa: E402
+from vllm_engine import DEFAULT_WORKLOADS, Workload  # noqa: E402
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+SHAPES = {  # hidden, intermediate, heads, vocabulary
+    "7b": (4096, 11008, 32, 32000),
+    "tiny": (128, 256, 2, 512),
+}
+ENGINE_TIMEOUT = 900  # seconds: start (compile and graph capture) and every workload
+
+
+def build_checkpoints(root: Path, shape: str, layers: int, dtype: str) -> tuple[Path, Path]:
+    """The same random model, pruned 2:4 by magnitude, saved dense and compressed 2:4."""
+    import torch
+    from sparse_kernels import prune_24
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from whisper_modifiers.sparse_serving.layout import write_sparse24
+
+    hidden, intermediate, heads, vocab = SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
+                         num_attention_heads=heads, num_key_value_heads=heads,
+                         num_hidden_layers=layers, vocab_size=vocab,
+                         max_position_embeddings=4096)  # fmt: skip
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    targets = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.weight.copy_(prune_24(module.weight))
+                targets.append(name)
+    dense, sparse24 = root / "dense", root / "sparse24"
+    model.save_pretrained(dense)
+    model.save_pretrained(sparse24)
+    del model
+    write_sparse24(sparse24, targets)
+    return dense, sparse24
+
+
+def engine_command(python: str, checkpoint: Path, label: str, mode: str, capture: int,
+                   args, out: Path) -> list[str]:  # fmt: skip
+    command = [python, str(ENGINE), str(checkpoint), "--label", label, "--mode", mode,
+               "--dtype", args.dtype, "--repeats", str(args.repeats), "--out", str(out),
+               "--workloads", *args.workloads]  # fmt: skip
+    if capture:
+        command += ["--max-cudagraph-capture-size", str(capture)]
+    if args.max_num_batched_tokens:
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.profile:
+        command.append("--profile")
+    return command
+
+
+def run_engine(command: list[str], out: Path, timeout: float) -> dict:
+    """One engine's result, or ``{"error": ...}`` with how it ended and its last lines."""
+    from whisper_modifiers.serving.worker_process import exit_description, last_lines, serving_env
+
+    print("+ " + " ".join(command), flush=True)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=serving_env())  # fmt: skip
+    except subprocess.TimeoutExpired as expired:
+        return {"error": f"stopped after {timeout:.0f} s",
+                "tail": last_lines(expired.stdout, expired.stderr)}  # fmt: skip
+    if done.returncode != 0 or not out.is_file():
+        return {"error": exit_description(done.returncode),
+                "tail": last_lines(done.stdout, done.stderr)}  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def compare(args, python: str, payload: dict) -> None:
+    """Run every engine into ``payload["engines"]`` (keyed ``label@capture``), writing the
+    report after each, so that a run stopped at a time limit keeps the engines before."""
+    engines = payload["engines"]
+    with tempfile.TemporaryDirectory() as root:
+        dense, sparse24 = build_checkpoints(Path(root), args.shape, args.layers, args.dtype)
+        for capture in args.capture_sizes:
+            runs = [("dense", dense, "auto")] + [(f"2:4 {mode}", sparse24, mode)
+                                                 for mode in args.modes]  # fmt: skip
+            for label, checkpoint, mode in runs:
+                out = Path(root, f"{len(engines)}.json")
+                command = engine_command(python, checkpoint, label, mode, capture, args, out)
+                engines[f"{label}@{capture}"] = run_engine(command, out, args.timeout)
+                write_report(args.out, payload)
+
+
+def with_ratios(engines: dict) -> None:
+    """Each workload's tokens/s over dense's at the same capture size (None without it)."""
+    for key, result in engines.items():
+        dense = engines.get(f"dense@{key.rsplit('@', 1)[1]}", {})
+        for workload, cell in result.get("workloads", {}).items():
+            base = dense.get("workloads", {}).get(workload)
+            cell["ratio"] = cell["tokens_per_s"] / base["tokens_per_s"] if base else None
+
+
+def write_report(out: Path, payload: dict) -> str:
+    with_ratios(payload["engines"])
+    write_json(out / "vllm_speed.json", payload)
+    text = markdown(payload)
+    (out / "vllm_speed.md").write_text(text)
+    return text
+
+
+def markdown(payload: dict) -> str:
+    config, engines = payload["config"], payload["engines"]
+    device = next((e["device"] for e in engines.values() if "device" in e), "?")
+    workloads = config["workloads"]
+    lines = [
+        "# vLLM serving speed: compressed 2:4 against dense",
+        "",
+        f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/vllm_speed.py` on {device}: "
+        f"{config['shape']}-shaped Llama, {config['layers']} layers, {config['dtype']}, random "
+        f"weights pruned 2:4; best of {config['repeats']}. Capture size 0 is vLLM's default "
+        "`max_cudagraph_capture_size`. Ratios are tokens/s over dense at the same capture "
+        "size; weights are what the 2:4 layers hold over their dense bytes.",
+        "",
+        "| engine | capture | CUDA graphs ≤ / step ≤ (tokens) | weights | "
+        + " | ".join(workloads)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(workloads),
+    ]
+    for key, result in engines.items():
+        label, capture = key.rsplit("@", 1)
+        if "error" in result:
+            lines.append(f"| {label} | {capture} | failed: {result['error']} | |"
+                         + " |" * len(workloads))  # fmt: skip
+            continue
+        ratio = result["weights"].get("ratio")
+        cells = []
+        for workload in workloads:
+            cell = result["workloads"][workload]
+            rate = f"{cell['tokens_per_s']:,.0f}"
+            cells.append(rate if cell["ratio"] is None or label == "dense"
+                         else f"{rate} ({cell['ratio']:.2f}×)")  # fmt: skip
+        weights = f"{ratio:.2f}×" if ratio is not None else "–"
+        if result["weights"].get("packed_layers"):
+            weights = "packed by vLLM's CPU GEMM"
+        graphs = result["graphs"]
+        steps = (f"{graphs['max_cudagraph_capture_size'] or 'eager'} / "
+                 f"{graphs['max_num_batched_tokens']}")  # fmt: skip
+        lines.append(f"| {label} | {capture} | {steps} | {weights} | " + " | ".join(cells) + " |")
+    lines += profile_markdown(engines)
+    return "\n".join(lines) + "\n"
+
+
+def profile_markdown(engines: dict) -> list[str]:
+    lines = []
+    for key, result in engines.items():
+        for workload, profile in result.get("profiles", {}).items():
+            lines += ["", f"## Profile: {key}, {workload}", "",
+                      "| op | calls | self CPU (ms) | self device (ms) |",
+                      "|---|---|---|---|"]  # fmt: skip
+            for row in profile["top"]:
+                cpu_ms, device_ms = row["self_cpu_us"] / 1e3, row["self_device_us"] / 1e3
+                lines.append(f"| `{row['op'][:80]}` | {row['calls']} | {cpu_ms:.2f} | "
+                             f"{device_ms:.2f} |")  # fmt: skip
+            for name, entry in profile["watched"].items():
+                per_call = entry["cpu_us_per_call"]
+                per_call = "-" if per_call is None else f"{per_call:.1f}"
+                lines += ["", f"`{name}`: {entry['calls']} calls, {per_call} µs CPU per call"]
+    return lines
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="7b", choices=list(SHAPES))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--modes", nargs="+", default=["auto", "sparse"],
+                        choices=["auto", "sparse", "dense"])  # fmt: skip
+    parser.add_argument("--capture-sizes", nargs="+", type=int, default=[0])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--timeout", type=float, default=ENGINE_TIMEOUT)
+    parser.add_argument("--python", default=None, help="the serving environment's Python")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    for text in args.workloads:
+        try:
+            Workload.parse(text)
+        except ValueError as error:
+            parser.error(f"--workloads: {error}")
+    if args.layers < 1 or args.repeats < 1 or min(args.capture_sizes) < 0:
+        parser.error("--layers and --repeats must be at least 1, --capture-sizes at least 0")
+    return args
+
+
+def main(argv=None) -> int:
+    from whisper_modifiers.serving.worker_process import serving_python
+
+    args = parse_args(argv)
+    python = str(serving_python(args.python))
+    payload = {"config": vars(args) | {"out": str(args.out), "python": python}, "engines": {}}
+    compare(args, python, payload)
+    print(write_report(args.out, payload))
+    return 0 if all("error" not in e for e in payload["engines"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

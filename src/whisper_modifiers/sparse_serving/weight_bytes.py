@@ -1,0 +1,84 @@
+"""What a served model's 2:4 layers hold for their weights, against the dense bytes.
+
+cuSPARSELt's compressed 16-bit operand (``torch._cslt_compress``) takes 9/16 of the dense
+weight; a layer that also keeps the dense weight (the ``auto`` kernel mode, to run dense
+below its plan's crossover) holds 1 + 9/16 of it. ``two_four_weight_bytes`` walks a model
+(vLLM's, through ``LLM.apply_model``, or one ``kernels.accelerate`` changed) and counts,
+per 2:4 layer, every distinct tensor storage it keeps for its weight: the ``weight``
+parameter, the kernel's compressed operand and its dense copy (a tensor shared by two of
+them is counted once).
+
+Imports only torch (and this subpackage).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from whisper_modifiers.sparse_serving.kernels import Sparse24Linear
+
+__all__ = ["DENSE_BYTES_ATTRIBUTE", "layer_weight_bytes", "two_four_weight_bytes"]
+
+DENSE_BYTES_ATTRIBUTE = "sparse24_dense_bytes"
+"""Set by the vLLM plugin on each 2:4 layer it loads: the bytes of its dense weight."""
+
+
+def _storages(tensors) -> dict[int, int]:
+    """Distinct storages of ``tensors`` (None skipped): data pointer → bytes."""
+    held = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = tensor.untyped_storage()
+        held[storage.data_ptr()] = storage.nbytes()
+    return held
+
+
+def layer_weight_bytes(layer: torch.nn.Module) -> tuple[int | None, int]:
+    """``(held, dense)``: the bytes ``layer`` keeps for its 2:4 weight and the bytes of
+    that weight dense. A ``Sparse24Linear`` (or a layer with one as ``sparse24_kernel``)
+    holds its compressed operand and, where its plan runs dense, the dense copy; any other
+    layer holds its ``weight``. ``held`` is None where the weight left the layer's tensors
+    (vLLM's CPU GEMMs pack it into a oneDNN handle and leave an empty ``weight``)."""
+    kernel = getattr(layer, "sparse24_kernel", layer)
+    weight = getattr(layer, "weight", None)
+    compressed = getattr(kernel, "compressed", None)
+    dense_copy = getattr(kernel, "dense", None)
+    held = _storages([weight, compressed, dense_copy])
+    packed = compressed is None and dense_copy is None and (weight is None or weight.numel() == 0)
+    dense = getattr(layer, DENSE_BYTES_ATTRIBUTE, None)
+    if dense is None:
+        full = weight if weight is not None else dense_copy
+        if full is None:
+            out_features, in_features = kernel.out_features, kernel.in_features
+            dtype = compressed.dtype
+            dense = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+        else:
+            dense = full.numel() * full.element_size()
+    return (None if packed else sum(held.values())), int(dense)
+
+
+def two_four_weight_bytes(model: torch.nn.Module) -> dict:
+    """``{"layers", "held_bytes", "dense_bytes", "ratio", "packed_layers"}`` over the 2:4
+    layers of ``model``: those the vLLM plugin marked (``DENSE_BYTES_ATTRIBUTE``, with
+    their kernel if any) and every other ``Sparse24Linear``. ``ratio`` is held / dense:
+    1.0 for dense weights, 0.5625 for cuSPARSELt's compressed operand alone, 1.5625 with
+    the dense copy beside it; None where some layer's weight is packed out of sight
+    (``packed_layers``, see ``layer_weight_bytes``) or there is no 2:4 layer."""
+    marked = [m for m in model.modules() if hasattr(m, DENSE_BYTES_ATTRIBUTE)]
+    inside = {id(getattr(m, "sparse24_kernel", None)) for m in marked}
+    kernels = [m for m in model.modules()
+               if isinstance(m, Sparse24Linear) and id(m) not in inside]  # fmt: skip
+    held = dense = packed = 0
+    for layer in marked + kernels:
+        layer_held, layer_dense = layer_weight_bytes(layer)
+        packed += layer_held is None
+        held, dense = held + (layer_held or 0), dense + layer_dense
+    ratio = held / dense if dense and not packed else None
+    return {
+        "layers": len(marked) + len(kernels),
+        "held_bytes": held,
+        "dense_bytes": dense,
+        "ratio": ratio,
+        "packed_layers": packed,
+    }
