@@ -67,6 +67,15 @@ class Workload:
         return self.sequences * self.tokens
 
 
+def check_workloads(parser: argparse.ArgumentParser, texts: list[str]) -> None:
+    """Stop with the parser's error on a bad ``--workloads`` entry, before any engine."""
+    for text in texts:
+        try:
+            Workload.parse(text)
+        except ValueError as error:
+            parser.error(f"--workloads: {error}")
+
+
 def prompts_for(workload: Workload, vocab: int, seed: int = 0) -> list[list[int]]:
     import torch
 
@@ -170,7 +179,7 @@ def measure(args) -> dict:
     os.environ["WHISPER_MODIFIERS_SPARSE24"] = args.mode  # read as the plugin loads layers
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
-    from vllm import LLM
+    import vllm
 
     from whisper_modifiers.sparse_serving.weight_bytes import two_four_weight_bytes
 
@@ -179,12 +188,12 @@ def measure(args) -> dict:
     config = json.loads(Path(args.checkpoint, "config.json").read_text())
     kwargs = engine_arguments(args, workloads, on_gpu)
     start = time.perf_counter()
-    llm = LLM(**kwargs)
+    llm = vllm.LLM(**kwargs)
     result = {
         "label": args.label, "mode": args.mode, "engine": kwargs,
         "start_seconds": time.perf_counter() - start,
         "device": torch.cuda.get_device_name() if on_gpu else "CPU",
-        "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "weights": weight_bytes(llm, two_four_weight_bytes),
         "graphs": graph_settings(llm), "workloads": {}, "profiles": {},
     }  # fmt: skip
@@ -192,7 +201,7 @@ def measure(args) -> dict:
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     for workload in workloads:
         prompts = prompts_for(workload, config["vocab_size"])
-        run_workload(llm, workload, prompts[: min(2, len(prompts))])  # warm-up
+        run_workload(llm, workload, prompts[:2])  # warm-up
         seconds = [run_workload(llm, workload, prompts) for _ in range(args.repeats)]
         result["workloads"][workload.name] = {
             "seconds": seconds,
@@ -235,8 +244,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=12, help="ops kept per profile")
     parser.add_argument("--out", type=Path, default=None, help="JSON result (default: stdout)")
     args = parser.parse_args(argv)
-    for text in args.workloads:
-        Workload.parse(text)  # a bad workload stops here, before any engine starts
+    check_workloads(parser, args.workloads)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     args.label = args.label or args.checkpoint.name

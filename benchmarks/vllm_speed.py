@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, write_json  # noqa: E402
-from vllm_engine import DEFAULT_WORKLOADS, Workload  # noqa: E402
+from vllm_engine import DEFAULT_WORKLOADS, check_workloads  # noqa: E402
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 SHAPES = {  # hidden, intermediate, heads, vocabulary
@@ -211,11 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--python", default=None, help="the serving environment's Python")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    for text in args.workloads:
-        try:
-            Workload.parse(text)
-        except ValueError as error:
-            parser.error(f"--workloads: {error}")
+    check_workloads(parser, args.workloads)
     if args.layers < 1 or args.repeats < 1 or min(args.capture_sizes) < 0:
         parser.error("--layers and --repeats must be at least 1, --capture-sizes at least 0")
     return args

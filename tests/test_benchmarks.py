@@ -169,6 +169,23 @@ def test_random_layer_speed_keeps_the_rows_measured_before_a_stop(tmp_path, monk
     assert "| wanda | whisper_layerwise | cuda | 1 | 3.0 | 1.50 | ≤ 1.6 ✓ | 0.8 | 1.0 |" in table
 
 
+@pytest.mark.parametrize("bad", ["prefill:32", "decode:0x8", "train:2x8", "prefill:axb"])
+def test_vllm_speed_refuses_a_bad_workload_before_any_engine(bad, capsys):
+    import vllm_speed
+
+    with pytest.raises(SystemExit):
+        vllm_speed.parse_args(["--workloads", "decode:2x8", bad])
+    assert f"--workloads: workload {bad!r}" in capsys.readouterr().err
+
+
+def test_workloads_count_the_tokens_they_time():
+    from vllm_engine import Workload
+
+    prefill, decode = Workload.parse("prefill:32x2048"), Workload.parse("decode:64x256")
+    assert (prefill.prompt_len, prefill.max_tokens, prefill.counted_tokens) == (2048, 1, 65536)
+    assert (decode.prompt_len, decode.max_tokens, decode.counted_tokens) == (16, 256, 16384)
+
+
 def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
     """Each engine's result is written as it comes, with its ratio against dense, so that
     a GPU run stopped by its time limit (here during the second engine) keeps the first."""
