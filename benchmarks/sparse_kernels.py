@@ -110,27 +110,44 @@ def per_shape(models, tokens, dtype) -> list[dict]:
     return rows
 
 
-def llama_7b_shaped(layers: int, dtype):
+LLAMA_SIZES = {  # hidden, intermediate, heads, vocabulary
+    "7b": (4096, 11008, 32, 32000),  # Llama-2-7B
+    "tiny": (128, 256, 2, 512),  # a stand-in for CPU smoke runs
+}
+
+
+def decoder_linear_names(model) -> list[str]:
+    """The decoder layers' Linear modules (attention and MLP projections), by name."""
+    import torch
+
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and ".layers." in name]  # fmt: skip
+
+
+def pruned_llama(layers: int, dtype, size: str = "7b", device: str = "cuda"):
+    """A Llama decoder of ``layers`` layers shaped as ``LLAMA_SIZES[size]``, random weights,
+    every decoder Linear pruned 2:4 by magnitude (``prune_24``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    hidden, intermediate, heads, vocab = LLAMA_SIZES[size]
     config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_attention_heads=32,
-        num_key_value_heads=32,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         num_hidden_layers=layers,
-        vocab_size=32000,
+        vocab_size=vocab,
         max_position_embeddings=4096,
         attn_implementation="sdpa",
         dtype=dtype,
     )
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in name:
-                module.weight.copy_(prune_24(module.weight))
+        for name in decoder_linear_names(model):
+            weight = model.get_submodule(name).weight
+            weight.copy_(prune_24(weight))
     return model
 
 
@@ -171,7 +188,7 @@ def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[
 
     from whisper_modifiers.sparse_serving import dispatch_plans, kernels
 
-    model = llama_7b_shaped(layers, dtype)
+    model = pruned_llama(layers, dtype)
     print(f"attention: {model.config._attn_implementation}", flush=True)
     shapes = [tuple(int(v) for v in text.split("x")) for text in forwards]
 

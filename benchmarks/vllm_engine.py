@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from whisper_modifiers.sparse_serving.kernels import KERNEL_MODE_VARIABLE, KERNEL_MODES
+
 DECODE_PROMPT = 16  # prompt tokens of a decode workload's sequences
 DEFAULT_WORKLOADS = ["prefill:32x2048", "decode:1x128", "decode:64x256", "decode:256x128"]
 WATCHED_OPS = ("sparse24_linear", "_cslt_sparse_mm")  # the 2:4 op and cuSPARSELt's GEMM
@@ -176,7 +178,7 @@ def graph_settings(llm) -> dict:
 
 def measure(args) -> dict:
     """Start the engine, run every workload, and return the whole result."""
-    os.environ["WHISPER_MODIFIERS_SPARSE24"] = args.mode  # read as the plugin loads layers
+    os.environ[KERNEL_MODE_VARIABLE] = args.mode  # read as the plugin loads layers
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     import vllm
@@ -224,8 +226,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--mode",
         default="auto",
-        choices=["auto", "sparse", "dense"],
-        help="$WHISPER_MODIFIERS_SPARSE24 for the plugin's 2:4 layers",
+        choices=KERNEL_MODES,
+        help=f"${KERNEL_MODE_VARIABLE} for the plugin's 2:4 layers",
     )
     parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     parser.add_argument("--repeats", type=int, default=3)

@@ -30,39 +30,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, write_json  # noqa: E402
+from sparse_kernels import LLAMA_SIZES, decoder_linear_names, pruned_llama  # noqa: E402
 from vllm_engine import DEFAULT_WORKLOADS, check_workloads  # noqa: E402
 
+from whisper_modifiers.sparse_serving.kernels import KERNEL_MODES  # noqa: E402
+
 ENGINE = Path(__file__).with_name("vllm_engine.py")
-SHAPES = {  # hidden, intermediate, heads, vocabulary
-    "7b": (4096, 11008, 32, 32000),
-    "tiny": (128, 256, 2, 512),
-}
 ENGINE_TIMEOUT = 900  # seconds: start (compile and graph capture) and every workload
 
 
 def build_checkpoints(root: Path, shape: str, layers: int, dtype: str) -> tuple[Path, Path]:
     """The same random model, pruned 2:4 by magnitude, saved dense and compressed 2:4."""
     import torch
-    from sparse_kernels import prune_24
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from whisper_modifiers.sparse_serving.layout import write_sparse24
 
-    hidden, intermediate, heads, vocab = SHAPES[shape]
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
-                         num_attention_heads=heads, num_key_value_heads=heads,
-                         num_hidden_layers=layers, vocab_size=vocab,
-                         max_position_embeddings=4096)  # fmt: skip
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
-    targets = []
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in name:
-                module.weight.copy_(prune_24(module.weight))
-                targets.append(name)
+    model = pruned_llama(layers, getattr(torch, dtype), shape, device)
+    targets = decoder_linear_names(model)
     dense, sparse24 = root / "dense", root / "sparse24"
     model.save_pretrained(dense)
     model.save_pretrained(sparse24)
@@ -197,11 +183,10 @@ def profile_markdown(engines: dict) -> list[str]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="7b", choices=list(SHAPES))
+    parser.add_argument("--shape", default="7b", choices=list(LLAMA_SIZES))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--modes", nargs="+", default=["auto", "sparse"],
-                        choices=["auto", "sparse", "dense"])  # fmt: skip
+    parser.add_argument("--modes", nargs="+", default=["auto", "sparse"], choices=KERNEL_MODES)
     parser.add_argument("--capture-sizes", nargs="+", type=int, default=[0])
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)

@@ -50,9 +50,7 @@ def layer_weight_bytes(layer: torch.nn.Module) -> tuple[int | None, int]:
     if dense is None:
         full = weight if weight is not None else dense_copy
         if full is None:
-            out_features, in_features = kernel.out_features, kernel.in_features
-            dtype = compressed.dtype
-            dense = out_features * in_features * torch.empty((), dtype=dtype).element_size()
+            dense = kernel.out_features * kernel.in_features * compressed.dtype.itemsize
         else:
             dense = full.numel() * full.element_size()
     return (None if packed else sum(held.values())), int(dense)
