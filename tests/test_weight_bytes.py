@@ -83,3 +83,10 @@ def test_a_weight_packed_out_of_sight_gives_no_ratio():
 
 def test_a_model_without_two_four_layers_has_no_ratio():
     assert two_four_weight_bytes(torch.nn.Linear(4, 4))["ratio"] is None
+
+
+def test_a_compressed_only_kernel_reads_its_dense_bytes_from_its_shape():
+    """A ``Sparse24Linear`` that dropped its dense weight (always sparse, on a GPU) and no
+    plugin mark: the dense bytes come from its features and the compressed operand's dtype."""
+    kernel = StandInKernel(two_four_weight(), keep_dense=False)
+    assert layer_weight_bytes(kernel) == (OUT * IN * 2 * 9 // 16, OUT * IN * 2)
