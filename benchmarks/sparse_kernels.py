@@ -112,6 +112,7 @@ def per_shape(models, tokens, dtype) -> list[dict]:
 
 LLAMA_SIZES = {  # hidden, intermediate, heads, vocabulary
     "7b": (4096, 11008, 32, 32000),  # Llama-2-7B
+    "1b": (2048, 5632, 16, 32000),  # TinyLlama-1.1B's layers: CPU runs (12 layers: 1.2 GB bf16)
     "tiny": (128, 256, 2, 512),  # a stand-in for CPU smoke runs
 }
 

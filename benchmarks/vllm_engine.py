@@ -164,6 +164,17 @@ def weight_bytes(llm, count) -> dict:
         return {"error": f"{type(error).__name__}: {error}", "ratio": None, "packed_layers": 0}
 
 
+def resident_bytes(field: str = "VmRSS") -> int | None:
+    """This process's resident memory (``VmHWM``: its peak), from /proc (Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def graph_settings(llm) -> dict:
     """The step sizes the engine runs as CUDA graphs, and its largest step: chunked-prefill
     steps above ``max_cudagraph_capture_size`` run eagerly."""
@@ -198,6 +209,7 @@ def measure(args) -> dict:
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "weights": weight_bytes(llm, two_four_weight_bytes),
         "graphs": graph_settings(llm), "workloads": {}, "profiles": {},
+        "rss_after_load": resident_bytes(),
     }  # fmt: skip
     if on_gpu:
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
@@ -216,6 +228,7 @@ def measure(args) -> dict:
         )
         if args.profile:
             result["profiles"][workload.name] = profiled(llm, workload, prompts, on_gpu, args.top)
+    result["rss_peak"] = resident_bytes("VmHWM")
     return result
 
 

@@ -134,15 +134,14 @@ def markdown(payload: dict) -> str:
         "`max_cudagraph_capture_size`. Ratios are tokens/s over dense at the same capture "
         "size; weights are what the 2:4 layers hold over their dense bytes.",
         "",
-        "| engine | capture | CUDA graphs ≤ / step ≤ (tokens) | weights | "
-        + " | ".join(workloads)
-        + " |",
-        "|---|---|---|---|" + "---|" * len(workloads),
+        "| engine | capture | CUDA graphs ≤ / step ≤ (tokens) | weights | RSS after load "
+        "(GiB) | " + " | ".join(workloads) + " |",
+        "|---|---|---|---|---|" + "---|" * len(workloads),
     ]
     for key, result in engines.items():
         label, capture = key.rsplit("@", 1)
         if "error" in result:
-            lines.append(f"| {label} | {capture} | failed: {result['error']} | |"
+            lines.append(f"| {label} | {capture} | failed: {result['error']} | | |"
                          + " |" * len(workloads))  # fmt: skip
             continue
         ratio = result["weights"].get("ratio")
@@ -158,7 +157,10 @@ def markdown(payload: dict) -> str:
         graphs = result["graphs"]
         steps = (f"{graphs['max_cudagraph_capture_size'] or 'eager'} / "
                  f"{graphs['max_num_batched_tokens']}")  # fmt: skip
-        lines.append(f"| {label} | {capture} | {steps} | {weights} | " + " | ".join(cells) + " |")
+        rss = result.get("rss_after_load")
+        rss = "–" if rss is None else f"{rss / 2**30:.2f}"
+        lines.append(f"| {label} | {capture} | {steps} | {weights} | {rss} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
     lines += profile_markdown(engines)
     return "\n".join(lines) + "\n"
 

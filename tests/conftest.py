@@ -35,7 +35,9 @@ def pytest_configure(config):
 def pytest_sessionstart(session):
     """One line before any test, whatever the verbosity: this CPU's relevant flags and
     which of vLLM's CPU ops the serving environment has, so that a red run on either kind
-    of CPU can be read from the log alone."""
+    of CPU can be read from the log alone (by the controller, not by each xdist worker)."""
+    if hasattr(session.config, "workerinput"):
+        return
     from whisper_modifiers.serving import capabilities_line
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -146,3 +148,21 @@ def group_32_recipe(directory: Path, stem: str) -> Path:
         " group_size: 32}"
     )))  # fmt: skip
     return recipe
+
+
+def dense_state_dict(model) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every 2:4 layer that a plain ``from_pretrained`` kept
+    compressed for the CPU op (``CpuSparse24Linear``) as its dense ``weight``, decompressed
+    by ``format.decompress_24``: the weights to compare, whichever way the layer loaded."""
+    from whisper_modifiers.sparse_serving.cpu_linear import CpuSparse24Linear
+    from whisper_modifiers.sparse_serving.format import decompress_24
+
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, CpuSparse24Linear):
+            for part in ("compressed", "bitmask", "shape"):
+                del state[f"{name}.{part}"]
+            state[f"{name}.weight"] = decompress_24(
+                module.compressed, module.bitmask, (module.out_features, module.in_features), name
+            )
+    return state

@@ -198,7 +198,7 @@ def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
         return {"device": "H100", "weights": {"ratio": None, "packed_layers": 0},
                 "graphs": {"max_cudagraph_capture_size": 2048, "max_num_batched_tokens": 8192},
                 "workloads": {"decode:2x8": {"tokens_per_s": 100.0, "seconds": [0.16]}},
-                "profiles": {}}  # fmt: skip
+                "profiles": {}, "rss_after_load": 3 * 2**30}  # fmt: skip
 
     monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
     argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--modes", "sparse",
@@ -209,7 +209,8 @@ def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
     engines = json.loads((tmp_path / "vllm_speed.json").read_text())["engines"]
     assert list(engines) == ["dense@2048"] and engines["dense@2048"]["workloads"]["decode:2x8"][
         "ratio"] == 1.0  # fmt: skip
-    assert "| dense | 2048 | 2048 / 8192 | – | 100 |" in (tmp_path / "vllm_speed.md").read_text()
+    table = (tmp_path / "vllm_speed.md").read_text()
+    assert "| dense | 2048 | 2048 / 8192 | – | 3.00 | 100 |" in table
 
 
 def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):

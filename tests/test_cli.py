@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, dense_state_dict
 from whisper_modifiers.cli import REPORT_FILE, main
 
 FAST = [
@@ -29,7 +29,7 @@ def test_prunes_reports_and_saves(tmp_path, capsys):
     assert report["sparsity"] == pytest.approx(0.5)
     assert report["pruning_seconds"] > 0
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    gate = model.model.layers[0].mlp.gate_proj.weight
+    gate = dense_state_dict(model)["model.layers.0.mlp.gate_proj.weight"]
     assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) == 2).all()
     printed = capsys.readouterr().out
     assert "| stories260K | wisp_plus_2of4 |" in printed

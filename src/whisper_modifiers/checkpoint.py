@@ -224,7 +224,9 @@ def is_unfinished_output(directory: str | Path) -> bool:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
     """``check_checkpoint``, then load it with transformers, quantized weights dequantized
     to ``dtype`` (``run_compressed=False``: a packed W4A16 module otherwise stays packed and
-    has no ``weight``) and compressed 2:4 weights decompressed.
+    has no ``weight``) and compressed 2:4 weights decompressed (``loading_dense``: every
+    Linear an ``nn.Linear`` with its weight, also where a plain ``from_pretrained`` keeps
+    2:4 layers compressed for the CPU op).
 
     A compressed 2:4 checkpoint of ours without quantization loads through the quantizer
     ``import whisper_modifiers`` registered with transformers. A quantized one (W8A8, FP8)
@@ -238,6 +240,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
 
     from whisper_modifiers.sparse_serving.format import QUANT_METHOD
     from whisper_modifiers.sparse_serving.layout import write_dense_layout
+    from whisper_modifiers.sparse_serving.transformers_quantizer import loading_dense
 
     config = check_checkpoint(directory)
     quantization = config.get("quantization_config") or {}
@@ -249,4 +252,5 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
     kwargs = {}
     if quantization.get("quant_method") == "compressed-tensors":
         kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
+    with loading_dense():
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)

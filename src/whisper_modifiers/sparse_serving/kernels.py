@@ -1,8 +1,9 @@
 """2:4 layers that run cuSPARSELt's GEMM where their ``DispatchPlan`` says it is faster:
 ``Sparse24Linear`` (a drop-in ``nn.Linear``), fused q/k/v and gate/up groups, and
 ``accelerate(model)`` which swaps them into a transformers model in place; and the
-serving-side kernel choice (``$WHISPER_MODIFIERS_SPARSE24``, ``serving_kernel``) that the
-vLLM plugin uses. The op is ``sparse_op``'s, the plans ``dispatch_plans``'.
+serving-side kernel mode (``$WHISPER_MODIFIERS_SPARSE24``, ``kernel_mode``) with the GPU
+kernel the vLLM plugin uses (``serving_kernel``; the CPU's is ``cpu_linear``'s). The op
+is ``sparse_op``'s, the plans ``dispatch_plans``'.
 
 Imports only torch (and this subpackage).
 """
@@ -97,9 +98,11 @@ KERNEL_MODES = ("auto", "sparse", "dense")
 
 
 def kernel_mode() -> str:
-    """``$WHISPER_MODIFIERS_SPARSE24``: ``auto`` (default; sparse where measured faster,
-    dense below, keeping the dense weight too), ``sparse`` (always sparse, the compressed
-    weight alone) or ``dense`` (no sparse kernel)."""
+    """``$WHISPER_MODIFIERS_SPARSE24``: ``auto`` (default; on a GPU, cuSPARSELt where
+    measured faster and the dense weight below; on a CPU, the 2:4 CPU op on every layer
+    whose measured plan beat dense at one token, ``cpu_linear``), ``sparse`` (the
+    compressed weight alone, always run sparse) or ``dense`` (decompressed, no sparse
+    kernel)."""
     mode = os.environ.get(KERNEL_MODE_VARIABLE, "auto").strip().lower() or "auto"
     if mode not in KERNEL_MODES:
         raise ValueError(f"{KERNEL_MODE_VARIABLE}={mode!r} is not one of {', '.join(KERNEL_MODES)}")

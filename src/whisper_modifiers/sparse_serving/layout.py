@@ -39,6 +39,7 @@ from whisper_modifiers.sparse_serving.format import (
 
 __all__ = [
     "QUANTIZED_FORMATS",
+    "add_loader_guard",
     "dequantize",
     "is_sparse24_checkpoint",
     "verify_compressed_layers",
@@ -60,13 +61,13 @@ def weight_files(directory: Path) -> list[Path]:
     return [directory / "model.safetensors"]
 
 
-def verify_compressed_layers(files, expected_shapes: dict | None = None) -> int:
+def verify_compressed_layers(files, expected_shapes: dict | None = None) -> list[str]:
     """Check every compressed 2:4 layer stored in the safetensors ``files`` before any
     weight is loaded (``format.check_compressed``: shapes, exactly two marks per group of
     four, clear padding), and its ``.shape`` against ``expected_shapes`` (layer name ->
     ``(out, in)``, from the model's config) where given. Reads the bitmasks and the
     ``.shape`` tensors, and only the headers of ``.compressed``. Raises
-    ``CorruptCheckpointError`` naming the layer and the tensor; returns the layer count."""
+    ``CorruptCheckpointError`` naming the layer and the tensor; returns the layers' names."""
     with contextlib.ExitStack() as stack:
         where = {}
         for path in map(Path, files):
@@ -92,7 +93,16 @@ def verify_compressed_layers(files, expected_shapes: dict | None = None) -> int:
             compressed = torch.empty(where[key].get_slice(key).get_shape(), device="meta")
             bitmask = where[f"{name}.bitmask"].get_tensor(f"{name}.bitmask")
             check_compressed(compressed, bitmask, shape, name)
-    return len(layers)
+    return layers
+
+
+def add_loader_guard(directory: str | Path) -> None:
+    """Write ``transformers_weights: STOCK_LOADER_GUARD`` into ``directory``'s
+    ``config.json`` (the guard of the module docstring)."""
+    config_path = Path(directory) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["transformers_weights"] = STOCK_LOADER_GUARD
+    config_path.write_text(json.dumps(config, indent=2))
 
 
 def write_sparse24(directory: str | Path, targets: list[str]) -> dict:

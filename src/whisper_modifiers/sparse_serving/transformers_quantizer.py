@@ -1,17 +1,25 @@
 """transformers support for compressed 2:4 checkpoints: after ``import whisper_modifiers``,
-``AutoModelForCausalLM.from_pretrained`` loads them with dense weights.
+``AutoModelForCausalLM.from_pretrained`` loads them.
 
 ``register`` adds a quantization config and an ``HfQuantizer`` under ``QUANT_METHOD``
 through transformers' own registry (``register_quantization_config``,
-``register_quantizer``). The quantizer changes no module: its weight conversion turns the
-three checkpoint tensors of a 2:4 Linear (``compressed``, ``bitmask``, ``shape``) into the
-dense ``weight`` while transformers loads them (``format.decompress_24``), multiplied by
-its ``weight_scale`` in a W8A8 / FP8 chain. The loaded model is an ordinary dense model
-(a quantized chain's activations are not fake-quantized: ``checkpoint.load_checkpoint``
-gives compressed-tensors' quantized forward); ``save_pretrained`` writes the dense layout.
+``register_quantizer``). On a CPU where the 2:4 CPU op runs, an unquantized checkpoint's
+2:4 Linears become ``cpu_linear.CpuSparse24Linear`` modules, which load the stored
+``compressed`` / ``bitmask`` / ``shape`` tensors as their parameters and run the op:
+generation reads the compressed bytes, and ``save_pretrained`` writes the compressed
+layout again. Everywhere else the quantizer changes no module: its weight conversion turns
+the three tensors into the dense ``weight`` while transformers loads them
+(``format.decompress_24``), multiplied by its ``weight_scale`` in a W8A8 / FP8 chain, and
+the loaded model is an ordinary dense model (a quantized chain's activations are not
+fake-quantized: ``checkpoint.load_checkpoint`` gives compressed-tensors' quantized
+forward), which ``save_pretrained`` writes in the dense layout.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import logging
 
 import torch
 from transformers.core_model_loading import ConversionOps, WeightConverter
@@ -20,14 +28,29 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from whisper_modifiers.sparse_serving.cpu_linear import CpuSparse24Linear, cpu_serving_refusal
 from whisper_modifiers.sparse_serving.format import (
     QUANT_METHOD,
     STOCK_LOADER_GUARD,
+    check_compressed,
     decompress_24,
 )
-from whisper_modifiers.sparse_serving.layout import dequantize, verify_compressed_layers
+from whisper_modifiers.sparse_serving.kernels import kernel_mode
+from whisper_modifiers.sparse_serving.layout import (
+    add_loader_guard,
+    dequantize,
+    verify_compressed_layers,
+)
 
-__all__ = ["Sparse24Decompress", "Sparse24HfQuantizer", "Sparse24TransformersConfig", "register"]
+__all__ = [
+    "Sparse24Decompress",
+    "Sparse24HfQuantizer",
+    "Sparse24TransformersConfig",
+    "loading_dense",
+    "register",
+]
+
+logger = logging.getLogger(__name__)
 
 
 class Sparse24TransformersConfig(QuantizationConfigMixin):
@@ -68,9 +91,17 @@ class Sparse24Decompress(ConversionOps):
 
 
 class Sparse24HfQuantizer(HfQuantizer):
-    """Loads compressed 2:4 weights dense; the model itself is not changed."""
+    """Loads a compressed 2:4 checkpoint: on a CPU, where the 2:4 CPU op runs
+    (``cpu_linear``), each 2:4 Linear of an unquantized checkpoint becomes a
+    ``CpuSparse24Linear`` that loads the stored tensors as they are; otherwise (a GPU, a
+    W8A8 / FP8 chain, float16, the ``dense`` kernel mode, ``loading_dense()``) the weights
+    load dense (``Sparse24Decompress``) into an ordinary model."""
 
     requires_calibration = False
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.compressed_layers: list[str] = []  # those kept compressed in this load
 
     def update_tp_plan(self, config):
         # the one hook that sees the model config before transformers resolves the
@@ -79,19 +110,43 @@ class Sparse24HfQuantizer(HfQuantizer):
             delattr(config, "transformers_weights")
         return super().update_tp_plan(config)
 
-    def _process_model_before_weight_loading(self, model, checkpoint_files=None,
-                                             **kwargs):  # fmt: skip
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, device_map=None,
+                                             dtype=None, **kwargs):  # fmt: skip
         # every stored 2:4 layer is checked here, before loading: an error raised
         # during transformers' weight conversion is only logged in its report
-        expected = {
-            name: tuple(module.weight.shape)
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear)
-        }
-        verify_compressed_layers(checkpoint_files or [], expected)  # fmt: skip
+        linears = {name: module for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear)}  # fmt: skip
+        expected = {name: tuple(module.weight.shape) for name, module in linears.items()}
+        layers = verify_compressed_layers(checkpoint_files or [], expected)
+        if self._keeps_compressed(device_map, dtype or torch.get_default_dtype()):
+            for name in layers:
+                linear = linears[name]
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, CpuSparse24Linear(
+                    linear.out_features, linear.in_features, linear.bias is not None,
+                    linear.weight.dtype, linear.weight.device))  # fmt: skip
+            self.compressed_layers = layers
         return model
 
+    def _keeps_compressed(self, device_map, dtype: torch.dtype) -> bool:
+        if _dense_loading or self.quantization_config.quantization_config:
+            return False  # a quantized chain's weights load dequantized
+        devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
+        if not devices <= {None, "cpu", torch.device("cpu")}:
+            return False
+        refusal = cpu_serving_refusal("cpu", dtype)
+        if refusal is not None and kernel_mode() != "dense":
+            logger.info("whisper-modifiers: 2:4 layers load decompressed to dense: %s", refusal)
+        return refusal is None
+
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.compressed_layers:
+            for name in self.compressed_layers:  # the op reads the kept values by position
+                module = model.get_submodule(name)
+                check_compressed(module.compressed, module.bitmask,
+                                 (module.out_features, module.in_features), name)  # fmt: skip
+            _guard_saves(model)
+            return model
         # the weights are dense now: nothing to redo when saving (save_pretrained would
         # otherwise try to reverse the decompression)
         model._weight_conversions = [
@@ -103,14 +158,21 @@ class Sparse24HfQuantizer(HfQuantizer):
         ]
         return model
 
+    def postprocess_model(self, model, **kwargs):
+        # kept compressed, the model saves the compressed layout and its config
+        self.quantization_config.dequantize = not self.compressed_layers
+        return super().postprocess_model(model, **kwargs)
+
     def is_serializable(self):
-        return True  # the model is dense after loading
+        return True  # dense after loading, or the checkpoint's own compressed layout
 
     @property
     def is_trainable(self):
-        return True  # the loaded weights are ordinary dense tensors
+        return not self.compressed_layers  # the op has no backward
 
     def get_weight_conversions(self):
+        if self.compressed_layers:
+            return []  # the stored tensors are the modules' parameters
         return [
             WeightConverter(
                 source_patterns=["compressed", "bitmask", "shape", "weight_scale"],
@@ -118,6 +180,36 @@ class Sparse24HfQuantizer(HfQuantizer):
                 operations=[Sparse24Decompress()],
             )
         ]
+
+
+def _guard_saves(model) -> None:
+    """``model.save_pretrained`` of a model kept compressed writes the stock-loader guard
+    into the saved ``config.json`` as whisper-prune does (``layout.add_loader_guard``):
+    transformers drops ``transformers_weights`` from every config it saves."""
+    save = model.save_pretrained
+
+    @functools.wraps(save)
+    def save_pretrained(save_directory, *args, **kwargs):
+        result = save(save_directory, *args, **kwargs)
+        add_loader_guard(save_directory)
+        return result
+
+    model.save_pretrained = save_pretrained
+
+
+_dense_loading = False
+
+
+@contextlib.contextmanager
+def loading_dense():
+    """Within it, compressed 2:4 checkpoints load with dense weights wherever they load
+    (``checkpoint.load_checkpoint``: the weights as numbers, for comparisons)."""
+    global _dense_loading
+    previous, _dense_loading = _dense_loading, True
+    try:
+        yield
+    finally:
+        _dense_loading = previous
 
 
 _registered = False

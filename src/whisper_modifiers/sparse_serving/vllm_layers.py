@@ -1,6 +1,7 @@
-"""The vLLM side of compressed 2:4 checkpoints: the quantization config and linear
-methods that ``vllm_plugin.register`` registers with vLLM (see its docstring); the
-loading of the compressed tensors with their checks is ``vllm_loading``'s.
+"""The vLLM side of compressed 2:4 checkpoints: the quantization config that
+``vllm_plugin.register`` registers with vLLM and the linear methods it gives each layer
+(``Sparse24LinearMethod``, ``QuantizedChainLinearMethod``); the loading of the compressed
+tensors with their checks is ``vllm_loading``'s.
 
 Imports vLLM at import time: only ``vllm_plugin.register`` imports it, once vLLM runs.
 """
@@ -28,9 +29,11 @@ from whisper_modifiers.sparse_serving.cpu_fp8 import (
     emulated_fp8,
 )
 from whisper_modifiers.sparse_serving.cpu_int8 import ExactInt8Linear, wants_exact_int8
+from whisper_modifiers.sparse_serving.cpu_linear import cpu_serving_kernel, cpu_serving_refusal
 from whisper_modifiers.sparse_serving.format import QUANT_METHOD
 from whisper_modifiers.sparse_serving.kernels import kernel_mode, serving_kernel
 from whisper_modifiers.sparse_serving.vllm_loading import (
+    check_stored_rows,
     register_compressed,
     take_dense_weight,
 )
@@ -47,7 +50,16 @@ logger = init_logger(__name__)
 
 
 class Sparse24LinearMethod(UnquantizedLinearMethod):
-    """2:4 weights loaded compressed, decompressed after loading."""
+    """A 2:4 layer loaded compressed (``vllm_loading``; merged layers and tensor-parallel
+    shards load as the dense weight would), then run by, in this order:
+
+    * on a CPU, the 2:4 CPU op on the compressed tensors as loaded (``cpu_linear``), where
+      it runs here and, in the ``auto`` kernel mode, its measured plan beats dense at one
+      token; the dense weight never exists;
+    * on sm80+ GPUs in 16-bit dtypes, cuSPARSELt's 2:4 GEMM with its measured dispatch
+      (``kernels.serving_kernel``);
+    * elsewhere, or in the ``dense`` mode (``$WHISPER_MODIFIERS_SPARSE24``), vLLM's
+      unquantized path on the decompressed weight."""
 
     def __init__(self, name: str, vllm_config=None):
         super().__init__()
@@ -63,18 +75,48 @@ class Sparse24LinearMethod(UnquantizedLinearMethod):
                             extra_weight_attrs)  # fmt: skip
 
     def process_weights_after_loading(self, layer) -> None:
+        rows, columns = layer.sparse24_dense_shape
+        setattr(layer, DENSE_BYTES_ATTRIBUTE, rows * columns * layer.compressed.element_size())
+        kernel = self._cpu_kernel(layer)
+        if kernel is not None:
+            layer.sparse24_kernel = kernel
+            self._note(kernel_mode(), {"cpu_tiled_from": kernel.tiled_from})
+            return
         weight = take_dense_weight(layer)
-        setattr(layer, DENSE_BYTES_ATTRIBUTE, weight.numel() * weight.element_size())
         kernel = serving_kernel(weight)
-        if self.vllm_config is not None:
-            plan = None if kernel is None else asdict(kernel.plan)
-            note_layer(self.vllm_config, self.name, kernel_mode(), plan)
+        self._note(kernel_mode(), None if kernel is None else asdict(kernel.plan))
         if kernel is None or kernel.dense is not None:
             layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
         if kernel is None:
             super().process_weights_after_loading(layer)
         else:
             layer.sparse24_kernel = kernel
+
+    def _cpu_kernel(self, layer):
+        """The CPU op's module over the loaded tensors (which then leave the layer), or None;
+        on a CPU where the op cannot run, says why once."""
+        compressed = layer.compressed.data
+        if compressed.device.type != "cpu":
+            return None
+        refusal = cpu_serving_refusal(compressed.device, compressed.dtype)
+        if refusal is not None:
+            logger.info_once(f"2:4 layers run decompressed to dense on this CPU: {refusal}")
+            return None
+        check_stored_rows(layer)
+        kernel = cpu_serving_kernel(compressed, layer.bitmask.data, layer.sparse24_dense_shape[1],
+                                    self.name)  # fmt: skip
+        if kernel is None:
+            logger.info_once("2:4 layers whose measured CPU op was slower than dense at one "
+                             "token run dense (set WHISPER_MODIFIERS_SPARSE24=sparse to keep "
+                             "them compressed)")  # fmt: skip
+            return None
+        for part in ("compressed", "bitmask", "shape"):
+            delattr(layer, part)
+        return kernel
+
+    def _note(self, mode: str, plan: dict | None) -> None:
+        if self.vllm_config is not None:
+            note_layer(self.vllm_config, self.name, mode, plan)
 
     def apply(self, layer, x, bias=None):
         kernel = getattr(layer, "sparse24_kernel", None)

@@ -13,7 +13,12 @@ import torch
 
 from whisper_modifiers.sparse_serving.format import CorruptCheckpointError, decompress_24
 
-__all__ = ["register_compressed", "sparse24_dense_weight", "take_dense_weight"]
+__all__ = [
+    "check_stored_rows",
+    "register_compressed",
+    "sparse24_dense_weight",
+    "take_dense_weight",
+]
 
 
 def register_compressed(layer, name, input_size_per_partition, input_size, rows, dtype,
@@ -59,7 +64,7 @@ def _checked_loader(layer, part, columns, weight_loader):
     after checking its columns (the layer's whole input size, compressed), so a tensor of
     the wrong shape is an error naming the layer and the tensor rather than vLLM's bare
     ``AssertionError``. The rows of every stored tensor are recorded by checkpoint part
-    (``q``/``k``/``v``, gate/up, or the whole layer) and compared in ``_take_dense_weight``."""
+    (``q``/``k``/``v``, gate/up, or the whole layer) and compared in ``check_stored_rows``."""
 
     def load(param, loaded_weight, shard=None, *args, **kwargs):
         name = f"{layer.sparse24_name}.{part}" + ("" if shard is None else f" (part {shard})")
@@ -90,7 +95,7 @@ def _checked_loader(layer, part, columns, weight_loader):
     return load
 
 
-def _check_stored_rows(layer) -> None:
+def check_stored_rows(layer) -> None:
     """Every checkpoint part's ``compressed``, ``bitmask`` and ``shape`` agree on its rows."""
     by_shard: dict = {}
     for (part, shard), rows in layer.sparse24_stored_rows.items():
@@ -105,7 +110,7 @@ def _check_stored_rows(layer) -> None:
 
 
 def take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
-    _check_stored_rows(layer)
+    check_stored_rows(layer)
     weight = sparse24_dense_weight(layer)
     for part in ("compressed", "bitmask", "shape"):
         delattr(layer, part)

@@ -1,42 +1,59 @@
 """vLLM plugin: serve compressed 2:4 checkpoints (``format``'s layout).
 
-Installed as the ``vllm.general_plugins`` entry point ``whisper_modifiers_sparse24``;
-vLLM calls ``register`` in every process, which registers ``Sparse24Config`` under
-``QUANT_METHOD`` with ``register_quantization_config``. The config also claims, through
-``override_quantization_method``, unquantized checkpoints in compressed-tensors' legacy
-``sparse-24-bitmask`` format (compressed-tensors < 0.15), which stock vLLM refuses: the
-tensors have the same layout.
-
-``Sparse24LinearMethod`` creates the compressed parameters (``compressed``, ``bitmask``,
-``shape``) with vLLM's own weight loaders, so merged layers (qkv, gate_up) and
-tensor-parallel shards load as the dense weight would: rows are outputs, so output
-shards are row ranges; an input (row-parallel) shard must hold whole bytes of the bitmask
-(a multiple of 8 inputs), else loading stops with an error naming the layer. After
-loading, ``process_weights_after_loading`` decompresses to the dense weight and hands it
-to ``kernels.serving_kernel``: on sm80+ GPUs in 16-bit dtypes, cuSPARSELt's 2:4 GEMM with
-its measured dispatch to dense below the token counts where sparse loses
-(``$WHISPER_MODIFIERS_SPARSE24`` = auto / sparse / dense); elsewhere (CPU, float32) to
-vLLM's unquantized path (``UnquantizedLinearMethod``). In a W8A8 / FP8 chain (whose
-compressed-tensors config is nested in ours) the dense 8-bit weight goes to
-compressed-tensors' scheme for the layer with its int8 / float8 kernels
-(``QuantizedChainLinearMethod``), except an int8 layer on a CPU whose oneDNN int8 GEMM
-saturates (no VNNI), which ``cpu_int8.ExactInt8Linear`` computes exactly, and an FP8
-layer on a CPU where vLLM has only its emulated FP8 path, which gets its weight
-dequantized to the model's dtype (``cpu_fp8``; no FP8 arithmetic runs); no 8-bit 2:4
-kernel is used yet.
-
-The config and linear methods are module-level classes in ``vllm_layers``, which imports
-vLLM; ``register`` imports it only when vLLM calls it.
+Installed as the ``vllm.general_plugins`` entry point ``whisper_modifiers_sparse24``; vLLM
+calls ``register`` in every process. It registers ``vllm_layers.Sparse24Config`` (which
+says what each 2:4 layer runs) under ``QUANT_METHOD``, folds vLLM's warning per weight
+cast while loading (a float32 checkpoint served in bfloat16: one per tensor) into one
+line, and asks Linux for the AMX tile state on CPUs with AMX (``request_amx``).
 """
 
 from __future__ import annotations
 
+import logging
+
 from whisper_modifiers.sparse_serving.format import QUANT_METHOD
 from whisper_modifiers.sparse_serving.kernels import kernel_mode
 
-__all__ = ["register"]
+__all__ = ["CastNote", "register", "request_amx"]
 
 _registered = False
+CAST_LOGGER = "vllm.model_executor.models.utils"  # AutoWeightsLoader's dtype warning
+
+
+class CastNote(logging.Filter):
+    """vLLM's ``Attempted to load weight %s with dtype %s into parameter with dtype %s``,
+    logged once per tensor, becomes one line the first time and nothing afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith("Attempted to load weight")
+                and len(record.args or ()) == 3):  # fmt: skip
+            return True
+        if self.said:
+            return False
+        self.said = True
+        _, stored, served = record.args
+        record.msg = ("the checkpoint's %s weights are cast to %s as they load (vLLM's --dtype);"
+                      " this is said once for all of them")  # fmt: skip
+        record.args = (str(stored).removeprefix("torch."), str(served).removeprefix("torch."))
+        return True
+
+
+def request_amx() -> bool | None:
+    """Ask the OS for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, through
+    ``torch.cpu._init_amx``) on a CPU with AMX; None elsewhere. A process must do so before
+    its first tile instruction: oneDNN asks when it dispatches to AMX, but with its ISA
+    capped (``ONEDNN_MAX_CPU_ISA=AVX2``) it never does while vLLM's own AMX kernels still
+    run, and they die with SIGILL. False where the OS, a VM or a container refuses: the
+    serving probe then refuses the dtype, naming the cause (``serving.probe``)."""
+    import torch
+
+    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return None
+    return bool(torch.cpu._init_amx())
 
 
 def register() -> None:
@@ -50,4 +67,6 @@ def register() -> None:
     from whisper_modifiers.sparse_serving.vllm_layers import Sparse24Config
 
     register_quantization_config(QUANT_METHOD)(Sparse24Config)
+    logging.getLogger(CAST_LOGGER).addFilter(CastNote())
+    request_amx()
     _registered = True

@@ -1,8 +1,10 @@
 """What a served model's 2:4 layers hold for their weights, against the dense bytes.
 
 cuSPARSELt's compressed 16-bit operand (``torch._cslt_compress``) takes 9/16 of the dense
-weight; a layer that also keeps the dense weight (the ``auto`` kernel mode, to run dense
-below its plan's crossover) holds 1 + 9/16 of it. ``two_four_weight_bytes`` walks a model
+weight; a layer that also keeps the dense weight (the ``auto`` kernel mode on a GPU, to
+run dense below its plan's crossover) holds 1 + 9/16 of it. The CPU op's layers hold the
+checkpoint's ``compressed`` and ``bitmask`` tensors: 9/16 of a bfloat16 weight, 17/32 of a
+float32 one. ``two_four_weight_bytes`` walks a model
 (vLLM's, through ``LLM.apply_model``, or one ``kernels.accelerate`` changed) and counts,
 per 2:4 layer, every distinct tensor storage it keeps for its weight: the ``weight``
 parameter, the kernel's compressed operand and its dense copy (a tensor shared by two of
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from whisper_modifiers.sparse_serving.cpu_linear import CpuSparse24Linear
 from whisper_modifiers.sparse_serving.kernels import Sparse24Linear
 
 __all__ = ["DENSE_BYTES_ATTRIBUTE", "layer_weight_bytes", "two_four_weight_bytes"]
@@ -36,15 +39,17 @@ def _storages(tensors) -> dict[int, int]:
 
 def layer_weight_bytes(layer: torch.nn.Module) -> tuple[int | None, int]:
     """``(held, dense)``: the bytes ``layer`` keeps for its 2:4 weight and the bytes of
-    that weight dense. A ``Sparse24Linear`` (or a layer with one as ``sparse24_kernel``)
-    holds its compressed operand and, where its plan runs dense, the dense copy; any other
-    layer holds its ``weight``. ``held`` is None where the weight left the layer's tensors
-    (vLLM's CPU GEMMs pack it into a oneDNN handle and leave an empty ``weight``)."""
+    that weight dense. A ``Sparse24Linear`` or ``CpuSparse24Linear`` (or a layer with one
+    as ``sparse24_kernel``) holds its compressed tensors and, where its plan runs dense,
+    the dense copy; any other layer holds its ``weight``. ``held`` is None where the
+    weight left the layer's tensors (vLLM's CPU GEMMs pack it into a oneDNN handle and
+    leave an empty ``weight``)."""
     kernel = getattr(layer, "sparse24_kernel", layer)
     weight = getattr(layer, "weight", None)
     compressed = getattr(kernel, "compressed", None)
     dense_copy = getattr(kernel, "dense", None)
-    held = _storages([weight, compressed, dense_copy])
+    bitmask = getattr(kernel, "bitmask", None)  # the CPU op's (cuSPARSELt's is inside)
+    held = _storages([weight, compressed, dense_copy, bitmask])
     packed = compressed is None and dense_copy is None and (weight is None or weight.numel() == 0)
     dense = getattr(layer, DENSE_BYTES_ATTRIBUTE, None)
     if dense is None:
@@ -59,14 +64,15 @@ def layer_weight_bytes(layer: torch.nn.Module) -> tuple[int | None, int]:
 def two_four_weight_bytes(model: torch.nn.Module) -> dict:
     """``{"layers", "held_bytes", "dense_bytes", "ratio", "packed_layers"}`` over the 2:4
     layers of ``model``: those the vLLM plugin marked (``DENSE_BYTES_ATTRIBUTE``, with
-    their kernel if any) and every other ``Sparse24Linear``. ``ratio`` is held / dense:
-    1.0 for dense weights, 0.5625 for cuSPARSELt's compressed operand alone, 1.5625 with
-    the dense copy beside it; None where some layer's weight is packed out of sight
+    their kernel if any) and every other ``Sparse24Linear`` or ``CpuSparse24Linear``.
+    ``ratio`` is held / dense: 1.0 for dense weights, 0.5625 for a 16-bit compressed
+    weight alone (cuSPARSELt's operand, or the CPU op's tensors), 1.5625 with the dense
+    copy beside it; None where some layer's weight is packed out of sight
     (``packed_layers``, see ``layer_weight_bytes``) or there is no 2:4 layer."""
     marked = [m for m in model.modules() if hasattr(m, DENSE_BYTES_ATTRIBUTE)]
     inside = {id(getattr(m, "sparse24_kernel", None)) for m in marked}
-    kernels = [m for m in model.modules()
-               if isinstance(m, Sparse24Linear) and id(m) not in inside]  # fmt: skip
+    kinds = (Sparse24Linear, CpuSparse24Linear)
+    kernels = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inside]
     held = dense = packed = 0
     for layer in marked + kernels:
         layer_held, layer_dense = layer_weight_bytes(layer)

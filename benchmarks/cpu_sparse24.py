@@ -1,0 +1,185 @@
+"""The 2:4 CPU op against torch's dense linear (oneDNN), per layer shape, in one run.
+
+    python benchmarks/cpu_sparse24.py                      # Llama 7B and 8B shapes, bfloat16
+    python benchmarks/cpu_sparse24.py --shapes 7B --tokens 1 16 --dtype float32
+
+For each projection of Llama-2-7B and Llama-3-8B as vLLM runs it (qkv and gate_up fused),
+random weights pruned 2:4 by magnitude, at each token count: dense ``F.linear`` on the
+dense weight against the op on the compressed tensors (``sparse_serving.cpu_op``: its row
+kernels, its tiled path, and the op with the measured plan's choice, as served). Distinct
+copies of the weights are cycled (at least ``--working-set`` MiB of each) so that no call
+finds its weight in cache: decode reads every weight from memory, as in a served model.
+Every time is the median over ``--repeats`` passes; ratios are dense time / op time
+(above 1: the op is faster). Writes ``cpu_sparse24.md``, ``cpu_sparse24.json`` and
+``cpu_sparse24.png`` to ``--out``, each labelled by this CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, write_json  # noqa: E402
+
+SHAPES = {  # (out, in) of each projection as vLLM runs it
+    "7B": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
+           "down": (4096, 11008)},
+    "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336)},
+}  # fmt: skip
+TOKENS = [1, 4, 16, 64, 512]
+
+
+def cpu_line() -> str:
+    import torch
+
+    from whisper_modifiers.serving.probe import CPU_FLAGS, cpu_flag_set, cpu_model
+    from whisper_modifiers.sparse_serving.cpu_op import cpu_isa
+
+    flags = cpu_flag_set()
+    shown = " ".join(flag for flag in (*CPU_FLAGS, "avx512_vbmi2") if flag in flags)
+    return (f"{cpu_model()} ({shown}; {torch.get_num_threads()} threads; op kernels "
+            f"{cpu_isa()})")  # fmt: skip
+
+
+def median_seconds(calls: list, repeats: int) -> float:
+    """Median over ``repeats`` passes of the time per call, each pass making every call
+    once (each with its own weight copy)."""
+    for call in calls:  # warm-up: pages touched, kernels built, plans made
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        times.append((time.perf_counter() - start) / len(calls))
+    return statistics.median(times)
+
+
+def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from whisper_modifiers.sparse_serving.cpu_op import NO_TILES, sparse24_cpu_linear
+    from whisper_modifiers.sparse_serving.cpu_plans import cpu_plan, random_two_four
+    from whisper_modifiers.sparse_serving.format import compress_24
+
+    dense_bytes = rows * columns * dtype.itemsize
+    copies = max(2, -(-args.working_set * 2**20 // dense_bytes))
+    dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
+    compressed = [compress_24(weight) for weight in dense]
+    plan = cpu_plan(rows, columns, dtype)
+    results = []
+    with torch.no_grad():
+        for count in tokens:
+            x = torch.randn(count, columns).to(dtype)
+            times = {}
+            for label, tiled_from in (("rows", NO_TILES), ("tiles", 0),
+                                      ("op", plan.tiled_from)):  # fmt: skip
+                calls = [lambda c=c, b=b, t=tiled_from, x=x: sparse24_cpu_linear(x, c, b, None,
+                                                                                 columns, t)
+                         for c, b in compressed]  # fmt: skip
+                times[label] = median_seconds(calls, args.repeats)
+            times["dense"] = median_seconds([lambda w=w, x=x: F.linear(x, w) for w in dense],
+                                            args.repeats)  # fmt: skip
+            row = {"tokens": count, "seconds": times, "copies": copies,
+                   "ratio": times["dense"] / times["op"],
+                   "op_path": "tiles" if count >= plan.tiled_from else "rows",
+                   "op_gib_per_s": rows * (columns // 2 * dtype.itemsize + -(-columns // 8))
+                   / times["op"] / 2**30,
+                   "dense_gib_per_s": dense_bytes / times["dense"] / 2**30}  # fmt: skip
+            print(
+                f"  {rows}x{columns} tokens {count}: dense {times['dense'] * 1e3:.3f} ms, "
+                f"op {times['op'] * 1e3:.3f} ms ({row['op_path']}), {row['ratio']:.2f}x",
+                flush=True,
+            )
+            results.append(row)
+    return results
+
+
+def markdown(payload: dict) -> str:
+    lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
+             f"CPU: {payload['cpu']}", "",
+             "Ratio: dense time / op time (above 1: the op is faster); the op as served "
+             "(its measured plan picks row kernels or tiles). GiB/s: weight bytes read per "
+             "second (compressed for the op).", "",
+             "| model | projection | tokens | dense ms | op ms | op path | ratio | rows ms | "
+             "tiles ms | dense GiB/s | op GiB/s |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for key, rows in payload["shapes"].items():
+        model, projection = key.split("/")
+        for row in rows:
+            s = row["seconds"]
+            lines.append(
+                f"| {model} | {projection} | {row['tokens']} | {s['dense'] * 1e3:.3f} | "
+                f"{s['op'] * 1e3:.3f} | {row['op_path']} | **{row['ratio']:.2f}×** | "
+                f"{s['rows'] * 1e3:.3f} | {s['tiles'] * 1e3:.3f} | "
+                f"{row['dense_gib_per_s']:.1f} | {row['op_gib_per_s']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    for key, rows in payload["shapes"].items():
+        axis.plot([r["tokens"] for r in rows], [r["ratio"] for r in rows], marker="o", label=key)
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("tokens per call (M)")
+    axis.set_ylabel("dense time / 2:4 op time")
+    axis.set_title(f"2:4 CPU op, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--working-set",
+        type=int,
+        default=256,
+        help="MiB of distinct dense weights cycled per shape (default 256)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if min(args.tokens) < 1 or args.repeats < 1 or args.working_set < 1:
+        parser.error("--tokens, --repeats and --working-set must be at least 1")
+    import torch
+
+    from whisper_modifiers.sparse_serving.cpu_op import cpu_kernels_unavailable
+
+    reason = cpu_kernels_unavailable()
+    if reason:
+        print(f"the 2:4 CPU op does not run here: {reason}")
+        return 0
+    dtype = getattr(torch, args.dtype)
+    payload = {"cpu": cpu_line(), "dtype": args.dtype, "torch": torch.__version__, "shapes": {}}
+    for model in args.shapes:
+        for projection, (rows, columns) in SHAPES[model].items():
+            print(f"{model} {projection}", flush=True)
+            key = f"{model}/{projection}"
+            payload["shapes"][key] = measure_shape(rows, columns, args.tokens, dtype, args)
+            write_json(args.out / "cpu_sparse24.json", payload)
+    (args.out / "cpu_sparse24.md").write_text(markdown(payload))
+    plot(payload, args.out / "cpu_sparse24.png")
+    print(markdown(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

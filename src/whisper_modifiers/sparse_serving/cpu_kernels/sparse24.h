@@ -1,0 +1,60 @@
+// 2:4 Linear layers on x86 CPUs, read from the compressed tensors as stored (format.py):
+// per output row n, `compressed[n]` holds the two kept values of every group of four inputs
+// (K / 2 values) and `bitmask[n]` one bit per input, lowest bit first (ceil(K / 8) bytes).
+// In an exactly 2:4 row the kept values of inputs [k, k + 32) are compressed[n][k/2 .. k/2 + 16),
+// so a kernel walks both tensors in step and expands the kept values in registers.
+//
+// One file per instruction set (each function carries its own target attribute, so no file is
+// compiled for a CPU it may not run on), this header, and sparse24_op.cpp: the run-time
+// dispatch from the CPU's flags and the torch op. The pure-torch reference the tests compare
+// them with is format.decompress_24 followed by F.linear.
+#pragma once
+
+#include <cstdint>
+
+namespace whisper_sparse24 {
+
+enum class WeightType : int { f32 = 0, bf16 = 1 };
+
+// A row range of y = x W^T for all M tokens. x is [M, K] with row stride ldx (float32, or
+// bfloat16 bits for the *_bf16 kernel), compressed [N, K / 2] of `type`, bitmask
+// [N, ceil(K / 8)] uint8, y [M, N] float32 with row stride ldy; rows [n_begin, n_end).
+struct RowsArgs {
+  const void* x;
+  int64_t ldx;
+  const void* compressed;
+  WeightType type;
+  const uint8_t* bitmask;
+  float* y;
+  int64_t ldy;
+  int64_t M;
+  int64_t K;
+  int64_t n_begin;
+  int64_t n_end;
+};
+
+// Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride K).
+struct DecompressArgs {
+  const void* compressed;
+  WeightType type;
+  const uint8_t* bitmask;
+  void* out;
+  int64_t K;
+  int64_t n_begin;
+  int64_t n_end;
+};
+
+// sparse24_avx2.cpp: AVX2 + FMA; x float32; a table indexed by each byte of the bitmask (two
+// groups of four) places the four kept values of eight inputs.
+void rows_avx2(const RowsArgs& args);
+void decompress_avx2(const DecompressArgs& args);
+
+// sparse24_avx512.cpp: AVX-512 F/BW/VL/VBMI2; x float32; masked expand-loads place the kept values.
+void rows_avx512(const RowsArgs& args);
+void decompress_avx512(const DecompressArgs& args);
+
+// sparse24_avx512_bf16.cpp: as rows_avx512 for bfloat16 x and weights, the products summed
+// with AVX512_BF16's vdpbf16ps (32 inputs per instruction, float32 accumulators).
+void rows_avx512_bf16(const RowsArgs& args);
+
+}  // namespace whisper_sparse24

@@ -1,0 +1,213 @@
+// 2:4 rows on AVX2 + FMA (sparse24.h). AVX2 has no expand-load: each byte of the bitmask
+// covers eight inputs (two groups of four, four kept values), and a 256-entry table gives, per
+// byte, a vpshufb control that moves the kept values' bytes into the eight float32 lanes of
+// those inputs (a bfloat16 value into the high half of its lane: the float32 it is), zeroing
+// the pruned ones; the kept values are broadcast to both halves of the register first.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "sparse24.h"
+
+#define WS_TARGET __attribute__((target("avx2,fma")))
+
+namespace whisper_sparse24 {
+namespace {
+
+struct ExpandTable {
+  // f32[b] / bf16[b]: vpshufb controls placing the kept float32 (bfloat16) values of byte b's
+  // eight inputs as eight float32 lanes; 0x80 writes a zero byte
+  alignas(64) uint8_t f32[256][32];
+  alignas(64) uint8_t bf16[256][32];
+  // shuffle[b]: the kept bfloat16 bytes of byte b's inputs as eight bfloat16 lanes
+  alignas(64) uint8_t shuffle[256][16];
+
+  ExpandTable() {
+    std::memset(this, 0x80, sizeof(*this));
+    for (int b = 0; b < 256; ++b) {
+      int next = 0;
+      for (int i = 0; i < 8; ++i) {
+        if (!((b >> i) & 1)) continue;
+        if (next < 4) {
+          const int lane = 4 * (i % 4) + (i / 4) * 16;  // byte offset in the 256-bit register
+          for (int byte = 0; byte < 4; ++byte) f32[b][lane + byte] = uint8_t(4 * next + byte);
+          bf16[b][lane + 2] = uint8_t(2 * next);
+          bf16[b][lane + 3] = uint8_t(2 * next + 1);
+          shuffle[b][2 * i] = uint8_t(2 * next);
+          shuffle[b][2 * i + 1] = uint8_t(2 * next + 1);
+        }
+        ++next;
+      }
+    }
+  }
+};
+
+const ExpandTable kTable;
+
+// The kept values of eight inputs at ``values`` (four; two for a last group of four), their
+// bytes broadcast to both 128-bit halves.
+template <WeightType W>
+WS_TARGET inline __m256i kept_bytes(const char* values, bool half) {
+  if constexpr (W == WeightType::f32) {
+    if (half) {
+      int64_t two;
+      std::memcpy(&two, values, sizeof(two));
+      return _mm256_set1_epi64x(two);
+    }
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
+  } else {
+    if (half) {
+      int32_t two;
+      std::memcpy(&two, values, sizeof(two));
+      return _mm256_set1_epi32(two);
+    }
+    int64_t four;
+    std::memcpy(&four, values, sizeof(four));
+    return _mm256_set1_epi64x(four);
+  }
+}
+
+template <WeightType W>
+constexpr int64_t kValueBytes = W == WeightType::f32 ? 4 : 2;
+
+// Eight dense float32 weights from one bitmask byte and its kept values.
+template <WeightType W>
+WS_TARGET inline __m256 expand(__m256i kept, uint8_t byte) {
+  const uint8_t* control = W == WeightType::f32 ? kTable.f32[byte] : kTable.bf16[byte];
+  return _mm256_castsi256_ps(
+      _mm256_shuffle_epi8(kept, _mm256_load_si256(reinterpret_cast<const __m256i*>(control))));
+}
+
+WS_TARGET inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[t][n + r] for R rows from n and T tokens: each row's kept values and bitmask are walked
+// by a pointer of its own.
+template <int R, int T, WeightType W>
+WS_TARGET void rows_block(const RowsArgs& a, const float* x, float* y, int64_t n) {
+  const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
+  const int64_t whole = a.K & ~int64_t(7);
+  const char* values[R];
+  const uint8_t* masks[R];
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r) {
+    values[r] = static_cast<const char*>(a.compressed) + (n + r) * half_k * kValueBytes<W>;
+    masks[r] = a.bitmask + (n + r) * mask_bytes;
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < whole; k += 8) {
+    __m256 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = expand<W>(kept_bytes<W>(values[r], false), *masks[r]);
+      values[r] += 4 * kValueBytes<W>;
+      masks[r] += 1;
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(w, xv[t], acc[r][t]);
+    }
+  }
+  if (whole < a.K) {  // a last group of four inputs
+    __m256 xv[T];
+    for (int t = 0; t < T; ++t)
+      xv[t] = _mm256_set_m128(_mm_setzero_ps(), _mm_loadu_ps(x + t * ldx + whole));
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = expand<W>(kept_bytes<W>(values[r], true), *masks[r] & 0x0F);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(w, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[t * a.ldy + n + r] = horizontal_sum(acc[r][t]);
+}
+
+// Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
+// in cache, so the weights are read from memory once.
+template <int G, WeightType W>
+WS_TARGET void rows_all_tokens(const RowsArgs& a, const float* x, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, W>(a, x + m * a.ldx, a.y + m * a.ldy, n);
+  switch (a.M - m) {
+    case 3: rows_block<G, 3, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 2: rows_block<G, 2, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 1: rows_block<G, 1, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    default: break;
+  }
+}
+
+template <int R, WeightType W>
+WS_TARGET void rows_typed(const RowsArgs& a) {
+  const float* x = static_cast<const float*>(a.x);
+  int64_t n = a.n_begin;
+  for (; n + R <= a.n_end; n += R) rows_all_tokens<R, W>(a, x, n);
+  for (; n < a.n_end; ++n) rows_all_tokens<1, W>(a, x, n);
+}
+
+template <WeightType W>
+WS_TARGET void decompress_typed(const DecompressArgs& a) {
+  const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, K = a.K;
+  const int64_t whole = K & ~int64_t(7);
+  for (int64_t n = a.n_begin; n < a.n_end; ++n) {
+    const uint8_t* mask = a.bitmask + n * mask_bytes;
+    const char* values = static_cast<const char*>(a.compressed) + n * half_k * kValueBytes<W>;
+    char* out = static_cast<char*>(a.out) + (n - a.n_begin) * K * kValueBytes<W>;
+    if constexpr (W == WeightType::f32) {
+      for (int64_t k = 0; k < whole; k += 8)
+        _mm256_storeu_ps(reinterpret_cast<float*>(out) + k,
+                         expand<W>(kept_bytes<W>(values + 2 * k, false), mask[k / 8]));
+      if (whole < K)
+        _mm_storeu_ps(reinterpret_cast<float*>(out) + whole,
+                      _mm256_castps256_ps128(expand<W>(kept_bytes<W>(values + 2 * whole, true),
+                                                       mask[whole / 8] & 0x0F)));
+    } else {
+      for (int64_t k = 0; k < whole; k += 8) {
+        const __m128i kept = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + k));
+        const __m128i control =
+            _mm_load_si128(reinterpret_cast<const __m128i*>(kTable.shuffle[mask[k / 8]]));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * k), _mm_shuffle_epi8(kept, control));
+      }
+      if (whole < K) {
+        int32_t two;
+        std::memcpy(&two, values + whole, sizeof(two));
+        const __m128i control = _mm_load_si128(
+            reinterpret_cast<const __m128i*>(kTable.shuffle[mask[whole / 8] & 0x0F]));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + 2 * whole),
+                         _mm_shuffle_epi8(_mm_cvtsi32_si128(two), control));
+      }
+    }
+  }
+}
+
+template <WeightType W>
+void rows_for_tokens(const RowsArgs& args) {
+  // rows side by side: more streams from memory for one token (measured: six the fastest
+  // here), fewer where three or four tokens need their accumulators (16 registers)
+  if (args.M == 1) {
+    rows_typed<6, W>(args);
+  } else if (args.M == 2) {
+    rows_typed<4, W>(args);
+  } else {
+    rows_typed<2, W>(args);
+  }
+}
+
+}  // namespace
+
+void rows_avx2(const RowsArgs& args) {
+  if (args.type == WeightType::f32) {
+    rows_for_tokens<WeightType::f32>(args);
+  } else {
+    rows_for_tokens<WeightType::bf16>(args);
+  }
+}
+
+void decompress_avx2(const DecompressArgs& args) {
+  if (args.type == WeightType::f32) {
+    decompress_typed<WeightType::f32>(args);
+  } else {
+    decompress_typed<WeightType::bf16>(args);
+  }
+}
+
+}  // namespace whisper_sparse24

@@ -1,0 +1,152 @@
+// 2:4 rows on AVX-512 F/BW/VL/VBMI2 with float32 activations (sparse24.h): sixteen bits of
+// the bitmask are the mask of one expand-load, which places the eight kept values of sixteen
+// inputs in their lanes (vexpandps for float32 weights, vpexpandw then a shift for bfloat16).
+#include <cstring>
+
+#include "sparse24.h"
+
+#ifdef WS_EMULATE_INTRINSICS  // plain C++ intrinsics: the tests run this file on any CPU
+#include WS_EMULATE_INTRINSICS
+#define WS_TARGET
+#else
+#include <immintrin.h>
+#define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2")))
+#endif
+
+namespace whisper_sparse24 {
+namespace {
+
+// `bits` (at most 32) bits of the bitmask from input k on: whole bytes, never past the row.
+WS_TARGET inline uint32_t mask_bits(const uint8_t* row, int64_t k, int64_t bits) {
+  uint32_t mask = 0;
+  std::memcpy(&mask, row + k / 8, (bits + 7) / 8);
+  return bits >= 32 ? mask : mask & ((uint32_t(1) << bits) - 1);
+}
+
+// Sixteen dense weights, as float32, from the kept values at ``values`` (element ``offset``
+// on) and the sixteen bits of the bitmask that cover them.
+template <WeightType W>
+WS_TARGET inline __m512 expand16(const void* values, int64_t offset, __mmask16 mask) {
+  if constexpr (W == WeightType::f32) {
+    return _mm512_maskz_expandloadu_ps(mask, static_cast<const float*>(values) + offset);
+  } else {
+    const __m256i bits =
+        _mm256_maskz_expandloadu_epi16(mask, static_cast<const uint16_t*>(values) + offset);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+template <WeightType W>
+constexpr int64_t kValueBytes = W == WeightType::f32 ? 4 : 2;
+
+// y[t][n + r] for R rows from n and T tokens: each row's kept values and bitmask are walked
+// by a pointer of its own.
+template <int R, int T, WeightType W>
+WS_TARGET void rows_block(const RowsArgs& a, const float* x, float* y, int64_t n) {
+  const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
+  const int64_t whole = a.K & ~int64_t(15);
+  const char* values[R];
+  const uint8_t* masks[R];
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r) {
+    values[r] = static_cast<const char*>(a.compressed) + (n + r) * half_k * kValueBytes<W>;
+    masks[r] = a.bitmask + (n + r) * mask_bytes;
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < whole; k += 16) {
+    __m512 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_ps(x + t * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      uint16_t mask;
+      std::memcpy(&mask, masks[r], sizeof(mask));
+      const __m512 w = expand16<W>(values[r], 0, mask);
+      values[r] += 8 * kValueBytes<W>;
+      masks[r] += 2;
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(w, xv[t], acc[r][t]);
+    }
+  }
+  if (whole < a.K) {
+    const int64_t rest = a.K - whole;
+    const __mmask16 inputs = __mmask16((1u << rest) - 1);
+    __m512 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_ps(inputs, x + t * ldx + whole);
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 mask = __mmask16(mask_bits(masks[r], 0, rest));
+      const __m512 w = expand16<W>(values[r], 0, mask);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(w, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[t * a.ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
+// in cache, so the weights are read from memory once.
+template <int G, WeightType W>
+WS_TARGET void rows_all_tokens(const RowsArgs& a, const float* x, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, W>(a, x + m * a.ldx, a.y + m * a.ldy, n);
+  switch (a.M - m) {
+    case 3: rows_block<G, 3, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 2: rows_block<G, 2, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 1: rows_block<G, 1, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    default: break;
+  }
+}
+
+template <WeightType W>
+WS_TARGET void rows_typed(const RowsArgs& a) {
+  const float* x = static_cast<const float*>(a.x);
+  int64_t n = a.n_begin;
+  for (; n + 4 <= a.n_end; n += 4) rows_all_tokens<4, W>(a, x, n);
+  for (; n < a.n_end; ++n) rows_all_tokens<1, W>(a, x, n);
+}
+
+template <WeightType W>
+WS_TARGET void decompress_typed(const DecompressArgs& a) {
+  const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8;
+  for (int64_t n = a.n_begin; n < a.n_end; ++n) {
+    const uint8_t* mask = a.bitmask + n * mask_bytes;
+    const int64_t row = (n - a.n_begin) * a.K;
+    if constexpr (W == WeightType::f32) {
+      const float* values = static_cast<const float*>(a.compressed) + n * half_k;
+      float* out = static_cast<float*>(a.out) + row;
+      for (int64_t k = 0; k < a.K; k += 16) {
+        const int64_t count = a.K - k < 16 ? a.K - k : 16;
+        const __mmask16 inputs = __mmask16(count == 16 ? 0xFFFF : (1u << count) - 1);
+        const __mmask16 kept = __mmask16(mask_bits(mask, k, count));
+        _mm512_mask_storeu_ps(out + k, inputs, _mm512_maskz_expandloadu_ps(kept, values + k / 2));
+      }
+    } else {
+      const uint16_t* values = static_cast<const uint16_t*>(a.compressed) + n * half_k;
+      uint16_t* out = static_cast<uint16_t*>(a.out) + row;
+      for (int64_t k = 0; k < a.K; k += 32) {
+        const int64_t count = a.K - k < 32 ? a.K - k : 32;
+        const __mmask32 inputs = count == 32 ? 0xFFFFFFFFu : (1u << count) - 1;
+        const __mmask32 kept = mask_bits(mask, k, count);
+        _mm512_mask_storeu_epi16(out + k, inputs,
+                                 _mm512_maskz_expandloadu_epi16(kept, values + k / 2));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rows_avx512(const RowsArgs& args) {
+  if (args.type == WeightType::f32) {
+    rows_typed<WeightType::f32>(args);
+  } else {
+    rows_typed<WeightType::bf16>(args);
+  }
+}
+
+void decompress_avx512(const DecompressArgs& args) {
+  if (args.type == WeightType::f32) {
+    decompress_typed<WeightType::f32>(args);
+  } else {
+    decompress_typed<WeightType::bf16>(args);
+  }
+}
+
+}  // namespace whisper_sparse24

@@ -1,0 +1,86 @@
+// 2:4 rows on AVX-512 with VBMI2 and BF16, bfloat16 activations and weights (sparse24.h):
+// 32 bits of the bitmask are the mask of one vpexpandw, which places the sixteen kept values of
+// 32 inputs in their lanes; vdpbf16ps then adds the 32 products into sixteen float32 lanes.
+#include <cstring>
+
+#include "sparse24.h"
+
+#ifdef WS_EMULATE_INTRINSICS  // plain C++ intrinsics: the tests run this file on any CPU
+#include WS_EMULATE_INTRINSICS
+#define WS_TARGET
+#else
+#include <immintrin.h>
+#define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16")))
+#endif
+
+namespace whisper_sparse24 {
+namespace {
+
+// y[t][n + r] for R rows from n and T tokens: each row's kept values and bitmask are walked
+// by a pointer of its own.
+template <int R, int T>
+WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, float* y, int64_t n) {
+  const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
+  const int64_t whole = a.K & ~int64_t(31);
+  const uint16_t* values[R];
+  const uint8_t* masks[R];
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r) {
+    values[r] = static_cast<const uint16_t*>(a.compressed) + (n + r) * half_k;
+    masks[r] = a.bitmask + (n + r) * mask_bytes;
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < whole; k += 32) {
+    __m512i xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_si512(x + t * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      uint32_t mask;
+      std::memcpy(&mask, masks[r], sizeof(mask));
+      const __m512i w = _mm512_maskz_expandloadu_epi16(mask, values[r]);
+      values[r] += 16;
+      masks[r] += 4;
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w, (__m512bh)xv[t]);
+    }
+  }
+  if (whole < a.K) {
+    const int64_t rest = a.K - whole;  // 4 .. 28 inputs
+    const __mmask32 inputs = (uint32_t(1) << rest) - 1;
+    __m512i xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_epi16(inputs, x + t * ldx + whole);
+    for (int r = 0; r < R; ++r) {
+      uint32_t mask = 0;
+      std::memcpy(&mask, masks[r], (rest + 7) / 8);
+      const __m512i w = _mm512_maskz_expandloadu_epi16(mask & inputs, values[r]);
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w, (__m512bh)xv[t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[t * a.ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
+// in cache, so the weights are read from memory once.
+template <int G>
+WS_TARGET void rows_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= a.M; m += 4) rows_block<G, 4>(a, x + m * a.ldx, a.y + m * a.ldy, n);
+  switch (a.M - m) {
+    case 3: rows_block<G, 3>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 2: rows_block<G, 2>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 1: rows_block<G, 1>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+void rows_avx512_bf16(const RowsArgs& args) {
+  const uint16_t* x = static_cast<const uint16_t*>(args.x);
+  int64_t n = args.n_begin;
+  for (; n + 4 <= args.n_end; n += 4) rows_all_tokens<4>(args, x, n);
+  for (; n < args.n_end; ++n) rows_all_tokens<1>(args, x, n);
+}
+
+}  // namespace whisper_sparse24

@@ -1,0 +1,190 @@
+// The torch ops over the kernels of sparse24.h, and their run-time dispatch from the CPU's flags.
+//
+//   whisper_sparse24_cpu::linear(x, compressed, bitmask, bias, in_features, tiled_from)
+//       y = x W^T (+ bias) for a 2:4 W as stored. Below `tiled_from` tokens the row kernels
+//       expand the kept values in registers; from it on (prefill, compute-bound) cache-sized
+//       tiles of W are expanded into a buffer and multiplied by ATen's dense GEMM (oneDNN).
+//       The dense weight is never held whole.
+//   whisper_sparse24_cpu::decompress(compressed, bitmask, in_features): the dense W (tests).
+//   whisper_sparse24_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
+//       "avx512", "avx2" or "none"), and a cap below them ("auto" undoes it).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+
+#include "sparse24.h"
+
+namespace whisper_sparse24 {
+namespace {
+
+enum Isa : int { kNone = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+const char* const kIsaNames[] = {"none", "avx2", "avx512", "avx512_bf16"};
+
+// The best kernels this CPU and its OS run (libgcc checks that the OS saves the vector state).
+int detected_isa() {
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return kNone;
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2")))
+    return kAvx2;
+  return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
+}
+
+std::atomic<int> cap{kAvx512Bf16};
+
+int active_isa() { return std::min(detected_isa(), cap.load()); }
+
+std::string isa() { return kIsaNames[active_isa()]; }
+
+void set_isa(const std::string& name) {
+  if (name == "auto") {
+    cap = kAvx512Bf16;
+    return;
+  }
+  for (int level = kNone; level <= kAvx512Bf16; ++level) {
+    if (name == kIsaNames[level]) {
+      TORCH_CHECK(level <= detected_isa(), "set_isa: this CPU has no ", name, " kernels (it runs ",
+                  kIsaNames[detected_isa()], ")");
+      cap = level;
+      return;
+    }
+  }
+  TORCH_CHECK(false, "set_isa: name must be auto, none, avx2, avx512 or avx512_bf16; got ", name);
+}
+
+WeightType weight_type(const at::Tensor& compressed) {
+  TORCH_CHECK(compressed.scalar_type() == at::kFloat || compressed.scalar_type() == at::kBFloat16,
+              "compressed must be float32 or bfloat16, got ", compressed.scalar_type());
+  return compressed.scalar_type() == at::kFloat ? WeightType::f32 : WeightType::bf16;
+}
+
+void check_layer(const at::Tensor& compressed, const at::Tensor& bitmask, int64_t in_features) {
+  TORCH_CHECK(active_isa() != kNone, "no 2:4 CPU kernel runs on this CPU");
+  TORCH_CHECK(in_features > 0 && in_features % 4 == 0, "in_features must be a positive multiple"
+              " of 4, got ", in_features);
+  TORCH_CHECK(compressed.device().is_cpu() && bitmask.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(compressed.dim() == 2 && compressed.size(1) == in_features / 2 &&
+                  compressed.is_contiguous(),
+              "compressed must be a contiguous [out, in / 2] tensor");
+  TORCH_CHECK(bitmask.scalar_type() == at::kByte && bitmask.dim() == 2 &&
+                  bitmask.size(0) == compressed.size(0) &&
+                  bitmask.size(1) == (in_features + 7) / 8 && bitmask.is_contiguous(),
+              "bitmask must be a contiguous [out, ceil(in / 8)] uint8 tensor");
+  weight_type(compressed);
+}
+
+void decompress_rows(const at::Tensor& compressed, const at::Tensor& bitmask, int64_t in_features,
+                     int64_t begin, int64_t end, at::Tensor& out) {
+  DecompressArgs args{compressed.data_ptr(), weight_type(compressed), bitmask.data_ptr<uint8_t>(),
+                      out.data_ptr(), in_features, 0, 0};
+  const auto kernel = active_isa() >= kAvx512 ? decompress_avx512 : decompress_avx2;
+  at::parallel_for(begin, end, 16, [&](int64_t first, int64_t last) {
+    DecompressArgs part = args;
+    part.n_begin = first;
+    part.n_end = last;
+    part.out = static_cast<char*>(out.data_ptr()) + (first - begin) * in_features *
+                                                        out.element_size();
+    kernel(part);
+  });
+}
+
+at::Tensor decompress(const at::Tensor& compressed, const at::Tensor& bitmask,
+                      int64_t in_features) {
+  check_layer(compressed, bitmask, in_features);
+  at::Tensor out = at::empty({compressed.size(0), in_features}, compressed.options());
+  decompress_rows(compressed, bitmask, in_features, 0, compressed.size(0), out);
+  return out;
+}
+
+// Rows of W per tile of the prefill path: about 1 MiB of dense weight, a multiple of 16.
+int64_t tile_rows(int64_t in_features, int64_t element_size, int64_t rows) {
+  const int64_t fit = ((int64_t(1) << 20) / (in_features * element_size)) / 16 * 16;
+  return std::min(rows, std::max<int64_t>(16, fit));
+}
+
+// x2 W^T + bias in W's dtype, W expanded tile by tile into one reused buffer; ATen's linear
+// adds each tile's bias before its result is rounded.
+at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
+                        const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
+                        int64_t in_features) {
+  const int64_t rows = compressed.size(0);
+  const auto dtype = compressed.scalar_type();
+  const at::Tensor x_w = x2.scalar_type() == dtype ? x2 : x2.to(dtype);
+  const c10::optional<at::Tensor> bias_w =
+      bias.has_value() && bias->defined() ? c10::optional<at::Tensor>(bias->to(dtype))
+                                          : c10::nullopt;
+  at::Tensor y = at::empty({x2.size(0), rows}, x_w.options());
+  const int64_t step = tile_rows(in_features, compressed.element_size(), rows);
+  at::Tensor tile = at::empty({step, in_features}, compressed.options());
+  for (int64_t begin = 0; begin < rows; begin += step) {
+    const int64_t count = std::min(step, rows - begin);
+    at::Tensor part = tile.narrow(0, 0, count);
+    decompress_rows(compressed, bitmask, in_features, begin, begin + count, part);
+    const c10::optional<at::Tensor> part_bias =
+        bias_w.has_value() ? c10::optional<at::Tensor>(bias_w->narrow(0, begin, count))
+                           : c10::nullopt;
+    y.narrow(1, begin, count).copy_(at::linear(x_w, part, part_bias));
+  }
+  return y;
+}
+
+at::Tensor row_kernel_linear(const at::Tensor& x2, const at::Tensor& compressed,
+                             const at::Tensor& bitmask, int64_t in_features) {
+  const int level = active_isa();
+  const WeightType type = weight_type(compressed);
+  const bool bf16_dot = level == kAvx512Bf16 && type == WeightType::bf16 &&
+                        x2.scalar_type() == at::kBFloat16;
+  const at::Tensor x = bf16_dot ? x2 : x2.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), compressed.size(0)}, x.options().dtype(at::kFloat));
+  RowsArgs args{x.data_ptr(), in_features, compressed.data_ptr(), type,
+                bitmask.data_ptr<uint8_t>(), y.data_ptr<float>(), compressed.size(0),
+                x.size(0), in_features, 0, 0};
+  const auto kernel = bf16_dot ? rows_avx512_bf16 : level >= kAvx512 ? rows_avx512 : rows_avx2;
+  at::parallel_for(0, compressed.size(0), 16, [&](int64_t first, int64_t last) {
+    RowsArgs part = args;
+    part.n_begin = first;
+    part.n_end = last;
+    kernel(part);
+  });
+  return y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
+                  const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t tiled_from) {
+  check_layer(compressed, bitmask, in_features);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == in_features,
+              "x must be a CPU tensor [..., ", in_features, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16, got ", x.scalar_type());
+  const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
+  at::Tensor y;
+  if (x2.size(0) >= tiled_from) {
+    y = tiled_linear(x2, compressed, bitmask, bias, in_features);
+  } else {  // float32 sums: the bias is added before the one rounding to x's dtype
+    y = row_kernel_linear(x2, compressed, bitmask, in_features);
+    if (bias.has_value() && bias->defined()) y.add_(*bias);
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = compressed.size(0);
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+}  // namespace
+}  // namespace whisper_sparse24
+
+TORCH_LIBRARY(whisper_sparse24_cpu, m) {
+  m.def("linear(Tensor x, Tensor compressed, Tensor bitmask, Tensor? bias, int in_features, "
+        "int tiled_from) -> Tensor");
+  m.def("decompress(Tensor compressed, Tensor bitmask, int in_features) -> Tensor");
+  m.def("isa", &whisper_sparse24::isa);
+  m.def("set_isa", &whisper_sparse24::set_isa);
+}
+
+TORCH_LIBRARY_IMPL(whisper_sparse24_cpu, CPU, m) {
+  m.impl("linear", &whisper_sparse24::linear);
+  m.impl("decompress", &whisper_sparse24::decompress);
+}

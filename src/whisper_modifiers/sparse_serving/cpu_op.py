@@ -1,0 +1,104 @@
+"""The 2:4 CPU op: ``y = x Wᵀ (+ b)`` read from a layer's compressed tensors as stored
+(``format``: ``compressed`` ``[out, in / 2]``, ``bitmask`` ``[out, ceil(in / 8)]``), never
+holding the dense weight.
+
+``torch.ops.whisper_sparse24_cpu.linear`` (``cpu_kernels/sparse24_op.cpp``, built and
+loaded by ``cpu_build``) takes bfloat16 or float32 activations and weights, any number of
+tokens and any input size that is a multiple of 4. Below ``tiled_from`` tokens (decode,
+memory-bound) its row kernels expand the kept values in registers: AVX-512 expand-loads
+(VBMI2), with AVX512_BF16's dot product for bfloat16, or a shuffle table on AVX2; from
+``tiled_from`` on (prefill, compute-bound) it expands about 1 MiB of weight rows at a time
+and hands them to ATen's dense GEMM (oneDNN). The kernels are chosen at run time from the
+CPU's flags (``cpu_isa``; ``set_cpu_isa`` caps them, for tests). ``reference_linear`` is
+the pure-torch reference the tests compare the op with.
+
+Imports only torch (and this subpackage).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from whisper_modifiers.sparse_serving.cpu_build import CPU_OP_NAMESPACE, load_cpu_kernels
+from whisper_modifiers.sparse_serving.format import decompress_24
+
+__all__ = [
+    "CPU_ISAS",
+    "CPU_KERNEL_DTYPES",
+    "cpu_isa",
+    "cpu_kernels_unavailable",
+    "decompress_cpu",
+    "reference_linear",
+    "set_cpu_isa",
+    "sparse24_cpu_linear",
+    "supported_isas",
+]
+
+CPU_ISAS = ("avx2", "avx512", "avx512_bf16")
+"""The kernels' instruction sets, lowest first (``avx512``: F, BW, VL and VBMI2)."""
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+NO_TILES = 1 << 62  # ``tiled_from`` that keeps every token count on the row kernels
+
+
+@functools.cache
+def cpu_kernels_unavailable() -> str | None:
+    """None where the op runs here, else why not, in one line (``cpu_build``)."""
+    reason = load_cpu_kernels()
+    if reason is None:
+        _register_fake()
+    return reason
+
+
+def _ops():
+    return getattr(torch.ops, CPU_OP_NAMESPACE)
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::linear")
+    def _(x, compressed, bitmask, bias, in_features, tiled_from):
+        return x.new_empty(*x.shape[:-1], compressed.shape[0])
+
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::decompress")
+    def _(compressed, bitmask, in_features):
+        return compressed.new_empty(compressed.shape[0], in_features)
+
+
+def cpu_isa() -> str | None:
+    """The kernels the op runs here (``CPU_ISAS``), None where it is unavailable."""
+    return None if cpu_kernels_unavailable() else _ops().isa()
+
+
+def supported_isas() -> list[str]:
+    """Every ``CPU_ISAS`` entry this CPU runs, lowest first (empty without the op)."""
+    best = cpu_isa()
+    return [] if best is None else list(CPU_ISAS[: CPU_ISAS.index(best) + 1])
+
+
+def set_cpu_isa(name: str) -> None:
+    """Cap the kernels at ``name`` (one of ``supported_isas()``), or ``"auto"``."""
+    if cpu_kernels_unavailable() is None:
+        _ops().set_isa(name)
+
+
+def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
+                        bias: torch.Tensor | None, in_features: int,
+                        tiled_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
+    """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op)."""
+    return _ops().linear(x, compressed, bitmask, bias, in_features, tiled_from)
+
+
+def decompress_cpu(compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int):
+    """The dense ``W`` by the op's expand kernels (what its prefill tiles hold)."""
+    return _ops().decompress(compressed, bitmask, in_features)
+
+
+def reference_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
+                     bias: torch.Tensor | None, in_features: int,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """``format.decompress_24`` then ``F.linear``, in ``dtype`` (default: ``x``'s)."""
+    dtype = dtype or x.dtype
+    weight = decompress_24(compressed, bitmask, (compressed.shape[0], in_features))
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))

@@ -1,0 +1,138 @@
+// The AVX-512 kernels of the 2:4 CPU op, built with avx512_emulation.h, against a scalar
+// reference on integer values (every product and float32 sum exact, so equality is the test):
+// every shape of tails and row groups, 1 to 9 tokens, float32 and bfloat16 weights.
+// Prints one line per failure and exits 1 on any; test_cpu_kernels.py builds and runs it.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "sparse24.h"
+
+using namespace whisper_sparse24;
+
+namespace {
+
+uint16_t to_bf16(float value) {  // exact for the small integers used here
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return uint16_t(bits >> 16);
+}
+
+struct Layer {
+  int64_t rows, columns;
+  std::vector<float> dense;       // [rows, columns]
+  std::vector<float> kept;        // [rows, columns / 2]
+  std::vector<uint16_t> kept_bf16;
+  std::vector<uint8_t> bitmask;   // [rows, ceil(columns / 8)]
+};
+
+Layer random_layer(int64_t rows, int64_t columns, std::mt19937& draw) {
+  Layer layer{rows, columns, std::vector<float>(rows * columns, 0.0f), {}, {}, {}};
+  const int64_t bytes = (columns + 7) / 8;
+  layer.bitmask.assign(rows * bytes, 0);
+  std::uniform_int_distribution<int> value(-3, 3), position(0, 3);
+  for (int64_t n = 0; n < rows; ++n) {
+    for (int64_t g = 0; g < columns / 4; ++g) {
+      int first = position(draw), second = position(draw);
+      while (second == first) second = position(draw);
+      for (int i = 0; i < 4; ++i) {
+        const int64_t k = 4 * g + i;
+        if (i != first && i != second) continue;
+        layer.dense[n * columns + k] = float(value(draw));  // a kept zero is marked too
+        layer.bitmask[n * bytes + k / 8] |= uint8_t(1u << (k % 8));
+      }
+    }
+    for (int64_t k = 0; k < columns; ++k) {
+      if (layer.bitmask[n * bytes + k / 8] >> (k % 8) & 1) {
+        layer.kept.push_back(layer.dense[n * columns + k]);
+        layer.kept_bf16.push_back(to_bf16(layer.dense[n * columns + k]));
+      }
+    }
+  }
+  return layer;
+}
+
+int failures = 0;
+
+void expect(bool ok, const char* what, int64_t rows, int64_t columns, int64_t tokens) {
+  if (!ok) {
+    ++failures;
+    std::printf("FAIL %s rows %ld columns %ld tokens %ld\n", what, long(rows), long(columns),
+                long(tokens));
+  }
+}
+
+void check_layer(const Layer& layer, std::mt19937& draw) {
+  const int64_t rows = layer.rows, columns = layer.columns;
+  for (WeightType type : {WeightType::f32, WeightType::bf16}) {
+    const void* kept = type == WeightType::f32 ? static_cast<const void*>(layer.kept.data())
+                                               : static_cast<const void*>(layer.kept_bf16.data());
+    std::vector<uint8_t> out(rows * columns * (type == WeightType::f32 ? 4 : 2) + 64, 0xAB);
+    decompress_avx512({kept, type, layer.bitmask.data(), out.data(), columns, 0, rows});
+    bool same = true;
+    for (int64_t i = 0; i < rows * columns; ++i) {
+      float value;
+      if (type == WeightType::f32) {
+        std::memcpy(&value, out.data() + 4 * i, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, out.data() + 2 * i, 2);
+        uint32_t wide = uint32_t(bits) << 16;
+        std::memcpy(&value, &wide, 4);
+      }
+      same &= value == layer.dense[i];
+    }
+    const size_t used = rows * columns * (type == WeightType::f32 ? 4 : 2);
+    for (size_t i = used; i < out.size(); ++i) same &= out[i] == 0xAB;  // nothing past the rows
+    expect(same, type == WeightType::f32 ? "decompress f32" : "decompress bf16", rows, columns, 0);
+  }
+  std::uniform_int_distribution<int> value(-3, 3);
+  for (int64_t tokens = 1; tokens <= 9; ++tokens) {
+    std::vector<float> x(tokens * columns);
+    std::vector<uint16_t> x_bf16(tokens * columns);
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = float(value(draw));
+      x_bf16[i] = to_bf16(x[i]);
+    }
+    std::vector<float> expected(tokens * rows, 0.0f);
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t n = 0; n < rows; ++n)
+        for (int64_t k = 0; k < columns; ++k)
+          expected[t * rows + n] += x[t * columns + k] * layer.dense[n * columns + k];
+    // every row range a thread may get: whole rows, and a range starting inside a group of four
+    for (int64_t begin : {int64_t(0), rows / 3}) {
+      std::vector<float> y32(tokens * rows, -1.0f), y16(tokens * rows, -1.0f);
+      rows_avx512({x.data(), columns, layer.kept.data(), WeightType::f32, layer.bitmask.data(),
+                   y32.data(), rows, tokens, columns, begin, rows});
+      rows_avx512({x.data(), columns, layer.kept_bf16.data(), WeightType::bf16,
+                   layer.bitmask.data(), y16.data(), rows, tokens, columns, begin, rows});
+      std::vector<float> ydot(tokens * rows, -1.0f);
+      rows_avx512_bf16({x_bf16.data(), columns, layer.kept_bf16.data(), WeightType::bf16,
+                        layer.bitmask.data(), ydot.data(), rows, tokens, columns, begin, rows});
+      bool f32 = true, bf16 = true, dot = true;
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t n = 0; n < rows; ++n) {
+          const float want = n < begin ? -1.0f : expected[t * rows + n];
+          f32 &= y32[t * rows + n] == want;
+          bf16 &= y16[t * rows + n] == want;
+          dot &= ydot[t * rows + n] == want;
+        }
+      expect(f32, "rows_avx512 f32", rows, columns, tokens);
+      expect(bf16, "rows_avx512 bf16", rows, columns, tokens);
+      expect(dot, "rows_avx512_bf16", rows, columns, tokens);
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 draw(0);
+  const int64_t shapes[][2] = {{1, 4},   {5, 12},   {16, 32}, {33, 100}, {64, 132}, {7, 36},
+                               {9, 64},  {3, 28},   {4, 44},  {6, 60},   {130, 260}, {5, 4100}};
+  for (const auto& shape : shapes) check_layer(random_layer(shape[0], shape[1], draw), draw);
+  std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
+  return failures ? 1 : 0;
+}

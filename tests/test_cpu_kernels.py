@@ -1,0 +1,205 @@
+"""The 2:4 CPU op against its pure-torch reference (``format.decompress_24`` then
+``F.linear``), on every instruction set this CPU runs (``supported_isas``: AVX2, AVX-512,
+AVX-512 with BF16), so a CI machine of either kind checks what it can run.
+
+Integer-valued activations and weights make every product and every float32 sum exact, so
+the op must equal the float64 reference rounded once to the output dtype, bit for bit,
+whatever the order of its sums: a misplaced or missing kept value cannot hide in a
+tolerance. Random real values are then checked against a bound on float32 rounding."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from whisper_modifiers.serving.probe import cpu_flag_set
+from whisper_modifiers.sparse_serving import cpu_build
+from whisper_modifiers.sparse_serving.cpu_build import SOURCE_DIR
+from whisper_modifiers.sparse_serving.cpu_op import (
+    CPU_ISAS,
+    NO_TILES,
+    cpu_isa,
+    cpu_kernels_unavailable,
+    decompress_cpu,
+    reference_linear,
+    set_cpu_isa,
+    sparse24_cpu_linear,
+    supported_isas,
+)
+from whisper_modifiers.sparse_serving.cpu_plans import plan_from_timings, random_two_four
+from whisper_modifiers.sparse_serving.format import compress_24, decompress_24
+
+if cpu_kernels_unavailable():
+    pytest.skip(cpu_kernels_unavailable(), allow_module_level=True)
+
+# (out, in): inputs not a multiple of 8, 16 or 32 (tails of every kernel), a row group of
+# four and its remainder, a 7B-like input size and a tensor-parallel half of it
+SHAPES = [(1, 4), (5, 12), (16, 32), (33, 100), (64, 132), (7, 36), (130, 260), (17, 4100),
+          (8, 2048)]  # fmt: skip
+TOKENS = [1, 2, 3, 4, 5, 9, 16, 33, 64]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=supported_isas())
+def isa(request):
+    set_cpu_isa(request.param)
+    yield request.param
+    set_cpu_isa("auto")
+
+
+def integer_two_four(rows: int, columns: int, dtype, generator) -> torch.Tensor:
+    weight = torch.randint(-3, 4, (rows, columns), generator=generator).to(dtype)
+    groups = weight.reshape(rows, -1, 4)
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(-1, torch.rand(groups.shape, generator=generator).topk(2, dim=-1).indices, True)
+    return (groups * keep).reshape(rows, columns)
+
+
+def test_the_isas_follow_the_cpu_flags():
+    """AVX2 with FMA, then AVX-512 F/BW/VL/VBMI2, then BF16: read from /proc/cpuinfo here,
+    as the op reads them from CPUID."""
+    flags = cpu_flag_set()
+    expected = []
+    if {"avx2", "fma"} <= flags:
+        expected.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vbmi2"} <= flags:
+            expected.append("avx512")
+            if "avx512_bf16" in flags:
+                expected.append("avx512_bf16")
+    assert supported_isas() == expected
+    assert cpu_isa() == expected[-1]
+    if len(expected) < len(CPU_ISAS):  # a cap above what the CPU runs is refused
+        with pytest.raises(RuntimeError, match="this CPU has no"):
+            set_cpu_isa(CPU_ISAS[len(expected)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decompress_kernel_equals_the_format(isa, dtype):
+    generator = torch.Generator().manual_seed(0)
+    for rows, columns in SHAPES:
+        weight = integer_two_four(rows, columns, dtype, generator)
+        compressed, bitmask = compress_24(weight)
+        assert torch.equal(decompress_cpu(compressed, bitmask, columns), weight), (rows, columns)
+        assert torch.equal(decompress_24(compressed, bitmask, (rows, columns)), weight)
+
+
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("path", ["rows", "tiles"])
+def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
+    """Row kernels: float32 sums of exact products, rounded once to ``x``'s dtype. Tiles:
+    the dense GEMM in the weight's dtype (``x`` rounded to it), with the bias, rounded once
+    to it, then to ``x``'s dtype."""
+    generator = torch.Generator().manual_seed(1)
+    for rows, columns in SHAPES:
+        weight = integer_two_four(rows, columns, weight_dtype, generator)
+        compressed, bitmask = compress_24(weight)
+        for tokens in TOKENS:
+            x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
+            bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
+            exact_in = x_dtype if path == "rows" else weight_dtype
+            exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
+            expected = exact.to(exact_in).to(x_dtype)
+            got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns,
+                                      NO_TILES if path == "rows" else 0)  # fmt: skip
+            assert got.dtype == x_dtype and got.shape == (tokens, rows)
+            assert torch.equal(got, expected), (rows, columns, tokens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_op_follows_the_reference_on_real_values(isa, dtype):
+    """Random weights and activations, every token count from 1 to 4096 in a few steps, with
+    and without bias: within float32 rounding of the sums, plus one rounding to bfloat16."""
+    generator = torch.Generator().manual_seed(2)
+    eps = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
+    for rows, columns in [(48, 4096), (33, 100), (64, 516)]:
+        weight = random_two_four(rows, columns, dtype, seed=rows)
+        compressed, bitmask = compress_24(weight)
+        for tokens in (1, 7, 64, 511, 4096):
+            x = torch.randn(tokens, columns, generator=generator).to(dtype)
+            bias = torch.randn(rows, generator=generator).to(dtype) if tokens % 2 else None
+            reference = reference_linear(x, compressed, bitmask, bias, columns, torch.float64)
+            scale = x.double().abs() @ weight.double().abs().t() + 1
+            for tiled_from in (NO_TILES, 64):
+                got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, tiled_from)
+                error = (got.double() - reference).abs()
+                assert (error <= 1e-5 * scale + eps * reference.abs()).all(), (tokens, columns)
+
+
+def test_op_keeps_leading_dimensions_and_refuses_bad_tensors():
+    weight = random_two_four(16, 64, torch.float32)
+    compressed, bitmask = compress_24(weight)
+    x = torch.randn(2, 3, 64)
+    assert torch.allclose(sparse24_cpu_linear(x, compressed, bitmask, None, 64),
+                          F.linear(x, weight), atol=1e-5)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"x must be a CPU tensor \[\.\.\., 64\]"):
+        sparse24_cpu_linear(torch.randn(3, 60), compressed, bitmask, None, 64)
+    with pytest.raises(RuntimeError, match="bitmask must be a contiguous"):
+        sparse24_cpu_linear(x, compressed, bitmask[:, :4], None, 64)
+    with pytest.raises(RuntimeError, match="in_features must be a positive multiple of 4"):
+        sparse24_cpu_linear(x, compressed, bitmask, None, 62)
+
+
+def test_op_is_a_custom_op_that_compiled_graphs_keep():
+    """torch.library's own checks (schema, fake tensor, autograd registration), and a
+    torch.compile'd function that calls the op equals the eager one."""
+    weight = random_two_four(32, 128, torch.bfloat16)
+    compressed, bitmask = compress_24(weight)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    op = torch.ops.whisper_sparse24_cpu.linear.default
+    torch.library.opcheck(op, (x, compressed, bitmask, None, 128, NO_TILES),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+    def layer(x):
+        return torch.nn.functional.silu(sparse24_cpu_linear(x, compressed, bitmask, None, 128))
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), layer(x))
+
+
+def test_plan_takes_tiles_from_where_they_stop_losing():
+    points = [(1, 1.0, 3.0, 1.5), (4, 2.0, 3.0, 2.0), (16, 4.0, 3.5, 3.0), (64, 9.0, 5.0, 4.0)]
+    timings = [{"tokens": t, "rows_s": r, "tiles_s": s, "dense_s": d} for t, r, s, d in points]
+    plan = plan_from_timings(timings)
+    assert plan.tiled_from == 16 and plan.faster_at_decode
+    timings[3]["tiles_s"] = 10.0  # tiles lose again at the top: never tiles
+    timings[0]["rows_s"] = 2.0  # slower than dense at one token
+    plan = plan_from_timings(timings)
+    assert plan.tiled_from == NO_TILES and not plan.faster_at_decode
+
+
+def test_a_machine_that_cannot_build_says_why_in_one_line(tmp_path):
+    """No compiler: the op is unavailable, with a one-line reason, and nothing is cached."""
+    script = (
+        "from whisper_modifiers.sparse_serving.cpu_op import cpu_kernels_unavailable\n"
+        "print('REASON', cpu_kernels_unavailable())\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
+           "WHISPER_MODIFIERS_CACHE": str(tmp_path / "cache")}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("REASON")]
+    assert line.startswith("REASON the 2:4 CPU kernels could not be built:"), done.stderr[-2000:]
+    assert not list((tmp_path / "cache").glob("cpu_kernels/*/*.so"))
+
+
+def test_avx512_kernels_are_right_on_any_cpu(tmp_path):
+    """The AVX-512 sources compiled with tests/native/avx512_emulation.h (the intrinsics in
+    plain C++, lane by lane) against a scalar reference on integer values: the AVX-512
+    kernels' lanes, masks and tails are checked on CPUs without AVX-512 too."""
+    native = Path(__file__).with_name("native")
+    sources = [native / "check_kernels.cpp", SOURCE_DIR / "sparse24_avx512.cpp",
+               SOURCE_DIR / "sparse24_avx512_bf16.cpp"]  # fmt: skip
+    command = [cpu_build._compiler(), "-O1", "-std=c++17", "-I", str(SOURCE_DIR), "-I",
+               str(native), "-DWS_EMULATE_INTRINSICS=\"avx512_emulation.h\"",
+               *map(str, sources), "-o", str(tmp_path / "check")]  # fmt: skip
+    built = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    done = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout[-3000:]
