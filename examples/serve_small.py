@@ -4,7 +4,10 @@ checkpoint, serve it with vLLM's OpenAI-compatible server on 127.0.0.1, send a f
 requests, stop the server.
 
     bash scripts/setup.sh && bash scripts/setup_serving.sh
-    .venv/bin/python examples/serve_small.py [OUTPUT_DIR]
+    .venv/bin/python examples/serve_small.py [OUTPUT_DIR] [MODEL]
+
+MODEL is a model directory or hub id to prune instead of the embedded SmolLM2 (the tests
+pass SmolLM2 cut to 4 layers).
 
 Offline: the model and the calibration text ship with the packages. (stories260K, the
 test model, cannot be served by vLLM on CPU: its head size, 8, is below the CPU attention
@@ -19,9 +22,10 @@ from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.serving import Server
 
 output_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "ckpt"
+model = ["--model", sys.argv[2]] if len(sys.argv) > 2 else []  # default: the embedded model
 # 1. prune + quantize (calibration: 16 x 256 tokens of the embedded text)
 status = whisper_prune([
-    "--recipe", "whisper_2of4_w8a8", "--output-dir", str(output_dir), "--overwrite",
+    *model, "--recipe", "whisper_2of4_w8a8", "--output-dir", str(output_dir), "--overwrite",
     "--num-sequences", "16", "--seq-len", "256", "--eval-windows", "2", "--skip-dense-eval",
 ])  # fmt: skip
 if status:

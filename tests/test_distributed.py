@@ -32,6 +32,40 @@ def run(command, timeout=600, **env):
                           env=environment, cwd=REPO)  # fmt: skip
 
 
+def run_side_by_side(jobs: dict[str, tuple[list[str], dict]], timeout=900) -> dict:
+    """``{name: (command, env)}`` run as processes side by side, as many at a time as there
+    are CPUs for their threads (one each, torchrun's two): each is single-threaded
+    (``OMP_NUM_THREADS=1``), so one at a time would leave CPUs idle. Returns each one's
+    ``(returncode, output)``; every job is waited for."""
+    slots = max(2, os.cpu_count() or 1)
+    waiting, running, done = list(jobs.items()), {}, {}
+    deadline = time.monotonic() + timeout
+    while waiting or running:
+        while waiting and sum(need for _, need in running.values()) + _need(waiting[0]) <= slots:
+            name, (command, env) = waiting.pop(0)
+            log = open(f"{env.pop('LOG')}", "w+")
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                       env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                                       cwd=REPO)  # fmt: skip
+            running[name] = ((process, log), _need((name, (command, env))))
+        for name, ((process, log), _) in list(running.items()):
+            if process.poll() is not None or time.monotonic() > deadline:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+                log.seek(0)
+                done[name] = (process.returncode, log.read())
+                log.close()
+                del running[name]
+        time.sleep(0.2)
+    return done
+
+
+def _need(job) -> int:
+    _, (command, _) = job
+    return 2 if command[:3] == TORCHRUN[:3] else 1
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
@@ -44,11 +78,15 @@ def runs(tmp_path_factory):
         "sdpa": [sys.executable, str(WORKER), str(root / "sdpa.pt"), *LAYERWISE, *SDPA],
         "sdpa_two": [*TORCHRUN, str(WORKER), str(root / "sdpa_two.pt"), *LAYERWISE, *SDPA],
     }  # fmt: skip
+    # the model's SDPA on a CPU too (layerwise_pipeline.attention_implementation)
+    jobs = {name: (command, {"LOG": str(root / f"{name}.log"), "WHISPER_LAYERWISE_ATTENTION":
+                             "model" if SDPA[1] in command else "auto"})
+            for name, command in commands.items()}  # fmt: skip
+    finished = run_side_by_side(jobs)
     results = {}
-    for name, command in commands.items():
-        # the model's SDPA on a CPU too (layerwise_pipeline.attention_implementation)
-        done = run(command, WHISPER_LAYERWISE_ATTENTION="model" if SDPA[1] in command else "auto")
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in commands:
+        returncode, output = finished[name]
+        assert returncode == 0, f"{name}: " + output[-6000:]
         results[name] = torch.load(root / f"{name}.pt", weights_only=False)
     return results
 
@@ -115,11 +153,15 @@ def test_same_seed_same_masks_run_to_run_for_every_method(tmp_path):
     under ``whisper_layerwise`` (eager attention) gives the same bits too."""
     from whisper_modifiers.methods import METHODS as ALL_METHODS
 
+    runs = (("first", []), ("second", []), ("layerwise", LAYERWISE))
+    jobs = {name: ([sys.executable, str(WORKER), str(tmp_path / f"{name}.pt"), "--methods",
+                    *ALL_METHODS, "--num-sequences", "8", *pipeline],
+                   {"LOG": str(tmp_path / f"{name}.log")}) for name, pipeline in runs}  # fmt: skip
+    finished = run_side_by_side(jobs)
     results = []
-    for name, pipeline in (("first", []), ("second", []), ("layerwise", LAYERWISE)):
-        done = run([sys.executable, str(WORKER), str(tmp_path / f"{name}.pt"), "--methods",
-                    *ALL_METHODS, "--num-sequences", "8", *pipeline])  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in jobs:  # first, second, layerwise
+        returncode, output = finished[name]
+        assert returncode == 0, f"{name}: " + output[-6000:]
         results.append(torch.load(tmp_path / f"{name}.pt", weights_only=False)["results"])
     first = results[0]
     for other in results[1:]:

@@ -35,8 +35,7 @@ def fake_python(path, body: str):
         "import json, os, signal, sys, time\n"
         "request = json.load(open(sys.argv[-1]))\n"
         f"log = open({str(log)!r}, 'a')\n"
-        "log.write(json.dumps(request.get('probe_dtypes')) + '\\n'); log.close()\n"
-        + textwrap.dedent(body)
+        "log.write(json.dumps(request.get('dtype')) + '\\n'); log.close()\n" + textwrap.dedent(body)
     )
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path, log
@@ -88,6 +87,17 @@ def test_a_worker_that_exits_without_an_answer_is_reported(tmp_path):
         run_worker({"model": "m"}, python, timeout=60)
 
 
+def served_checkpoint(directory):
+    """A quantized checkpoint that ``check_checkpoint`` accepts (weights, config, tokenizer
+    file); its values are never run (the serving Python is a stand-in)."""
+    config = quantized_checkpoint(directory)
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama",
+                  max_position_embeddings=2048)  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "tokenizer.json").write_text("{}")
+    return directory
+
+
 def quantized_checkpoint(directory):
     directory.mkdir()
     save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(8, 16, dtype=torch.int8),
@@ -104,23 +114,67 @@ def test_a_dtype_whose_probe_process_dies_is_refused_and_the_next_one_is_tried(t
     python, log = fake_python(
         tmp_path / "python",
         f"""
-        (dtype,) = request["probe_dtypes"]
+        dtype = request["dtype"]
+        assert request["probe"] and request["prefill_tokens"] >= 256 and request["decode_batch"] > 1
         if dtype == "float16":
             os.abort()
         accepted = [dtype] if dtype == "bfloat16" else []
         errors = {{}} if accepted else {{dtype: "RuntimeError: A"}}
         print({RESULT_PREFIX!r} + json.dumps({{"accepted": accepted, "errors": errors,
-              "missing_ops": [], "kernels": {{"up": "K"}}, "emulated_fp8": False}}))
+              "missing_ops": [], "kernels": {{"up": "K"}}, "emulated_fp8": False,
+              "resolved": {{dtype: dtype}}}}))
     """,
     )
     candidates = ["float32", "float16", "bfloat16", "half"]
     answer = probe_dtypes(tmp_path / "ckpt", config, candidates, python)
     assert answer["dtype"] == "bfloat16" and answer["kernels"] == {"up": "K"}
     assert answer["errors"]["float32"] == "RuntimeError: A"
-    assert answer["errors"]["float16"].startswith("the probe process ended (killed by SIGABRT")
+    assert answer["errors"]["float16"].startswith("the process ended (killed by SIGABRT")
     # one process per candidate, none after the first accepted
     tried = [json.loads(line) for line in log.read_text().splitlines()]
-    assert tried == [["float32"], ["float16"], ["bfloat16"]]
+    assert tried == ["float32", "float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_an_illegal_instruction_names_amx_where_the_cpu_has_it(tmp_path, monkeypatch, amx):
+    """The AMX machine's failure: the probe accepted nothing, each candidate's process died
+    with SIGILL. On a CPU with AMX the refusal says AMX is not usable here, or capped (and
+    names the cap); elsewhere it names the signal. Serving is refused before any server
+    starts (``serving_plan`` raises ``ServingUnavailable``, whisper-serve exits 2)."""
+    from whisper_modifiers.serving import probe
+
+    flags = {"avx2", "avx512f"} | ({"amx_tile", "amx_int8", "amx_bf16"} if amx else set())
+    monkeypatch.setattr(probe, "cpu_flag_set", lambda: flags)
+    monkeypatch.setattr(probe, "on_cpu", lambda: True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("WHISPER_MODIFIERS_CACHE", str(tmp_path / "cache"))
+    ckpt = served_checkpoint(tmp_path / "ckpt")
+    python, log = fake_python(tmp_path / "python", "os.kill(os.getpid(), signal.SIGILL)\n")
+    with pytest.raises(probe.ServingUnavailable) as refused:
+        probe.serving_plan(ckpt, python)
+    message = str(refused.value)
+    assert "in any of auto, bfloat16, float16" in message
+    if amx:
+        assert message.count("AMX present but not usable in this process, or capped "
+                             "(ONEDNN_MAX_CPU_ISA=AVX2)") == 3  # fmt: skip
+    else:
+        assert "AMX" not in message and message.count("(SIGILL)") == 3
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        "auto", "bfloat16", "float16"]  # fmt: skip
+    from whisper_modifiers.serving.cli import main as whisper_serve
+
+    assert whisper_serve([str(ckpt), "--dry-run", "--python", str(python)]) == 2
+
+
+def test_the_plugin_asks_for_amx_where_the_cpu_has_it():
+    """``request_amx`` (called by the vLLM plugin in every vLLM process): on a CPU with AMX
+    the OS grants the tile state here (True; False would be a VM or container refusing
+    it), elsewhere there is nothing to ask (None). Decided from the CPU's flags, so it
+    holds on either kind of CI machine."""
+    from whisper_modifiers.serving.probe import AMX_FLAGS, cpu_flag_set
+    from whisper_modifiers.sparse_serving.vllm_plugin import request_amx
+
+    assert request_amx() is (True if "amx_tile" in cpu_flag_set() & AMX_FLAGS else None)
 
 
 def test_missing_ops_stop_the_probe(tmp_path):

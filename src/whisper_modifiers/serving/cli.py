@@ -41,6 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name requests give the model (default: the checkpoint as given here; "
+        "its directory's name is accepted too)",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="print the command instead of running it"
     )
     args = parser.parse_args(argv)
@@ -65,7 +71,7 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def main(argv=None) -> int:
-    from whisper_modifiers.serving import serve_command, serving_env
+    from whisper_modifiers.serving import serve_command, served_model_names, serving_env
 
     args = parse_args(argv)
     try:
@@ -77,6 +83,7 @@ def main(argv=None) -> int:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             extra_args=args.extra,
+            served_model_name=args.served_model_name,
         )
     except (FileNotFoundError, ValueError) as error:  # ServingUnavailable too
         print(f"whisper-serve: error: {error}", file=sys.stderr)
@@ -85,6 +92,10 @@ def main(argv=None) -> int:
         print(f"whisper-serve: error: {error}", file=sys.stderr)
         return 1
     print("+ " + shlex.join(command), flush=True)
+    if not any(arg.split("=")[0] == "--served-model-name" for arg in args.extra):
+        names = served_model_names(args.checkpoint, args.served_model_name)
+        aliases = "".join(f" (or {name!r})" for name in names[1:])
+        print(f"requests name the model {names[0]!r}{aliases}", flush=True)
     if args.dry_run:
         return 0
     os.execve(command[0], command, serving_env())

@@ -30,13 +30,17 @@ from pathlib import Path
 
 from loguru import logger
 
+from whisper_modifiers.checkpoint import check_checkpoint
 from whisper_modifiers.serving.probe import (
     ServingPlan,
     ServingUnavailable,
     capabilities_line,
-    quantized_layers,
+    is_quantized,
+    refusal_cause,
+    required_ops,
     serving_dtype,
     serving_plan,
+    unavailable_ops,
 )
 from whisper_modifiers.serving.worker_process import (
     SERVING_PYTHON_ENV,
@@ -56,9 +60,9 @@ __all__ = [
     "ServingUnavailable",
     "WorkerFailed",
     "capabilities_line",
-    "quantized_layers",
     "run_vllm",
     "serve_command",
+    "served_model_names",
     "serving_dtype",
     "serving_env",
     "serving_plan",
@@ -66,6 +70,14 @@ __all__ = [
     "scores_perplexity",
     "vllm_perplexity",
 ]
+
+
+def served_model_names(checkpoint: str | Path, name: str | None = None) -> list[str]:
+    """The names requests may give the served model: ``name`` if given, else the
+    checkpoint as the user typed it, and the directory's own name (the first is the one
+    vLLM answers with)."""
+    typed = name or str(checkpoint).rstrip("/") or str(checkpoint)
+    return list(dict.fromkeys([typed, Path(checkpoint).resolve().name]))
 
 
 def serve_command(
@@ -76,9 +88,11 @@ def serve_command(
     dtype: str | None = None,
     max_model_len: int | None = None,
     extra_args: tuple[str, ...] | list[str] = (),
+    served_model_name: str | None = None,
 ) -> list[str]:
     """The command that serves ``checkpoint`` with vLLM's OpenAI-compatible server
-    (run it with ``serving_env()``)."""
+    (run it with ``serving_env()``), under ``served_model_names`` unless ``extra_args``
+    name it themselves."""
     dtype = _checked_plan(checkpoint, dtype, python).dtype  # checks the checkpoint first
     command = [
         str(serving_python(python)),
@@ -93,6 +107,8 @@ def serve_command(
         "--dtype",
         dtype,
     ]
+    if not any(arg.split("=")[0] == "--served-model-name" for arg in extra_args):
+        command += ["--served-model-name", *served_model_names(checkpoint, served_model_name)]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
     if on_cpu():
@@ -109,15 +125,24 @@ def run_vllm(
     max_model_len: int | None = None,
     python: str | Path | None = None,
     timeout: float = 1200,
+    tensor_parallel_size: int = 1,
 ) -> dict:
-    """Run ``checkpoint`` in vLLM's offline engine: greedy completions of ``prompts``
-    (token ids) and the negative log-likelihood of each sequence in ``score``.
+    """Run ``checkpoint`` in vLLM's offline engine (over ``tensor_parallel_size``
+    processes): greedy completions of ``prompts`` (token ids) and the negative
+    log-likelihood of each sequence in ``score``.
     ``max_model_len`` defaults to the longest request (a scored sequence plus the one
     token vLLM must generate). Returns ``{"completions": [[ids]], "scores": [{"nll",
-    "tokens"}]}``. A vLLM failure, or a run past ``timeout`` seconds, raises
-    ``WorkerFailed`` (a ``RuntimeError``) saying how the worker ended, with the end of its
-    output."""
-    dtype = _checked_plan(checkpoint, dtype, python).dtype  # checks the checkpoint first
+    "tokens"}]}``.
+
+    ``dtype`` None is ``auto`` for an unquantized checkpoint and, for a quantized one on a
+    CPU, what ``serving_plan`` measured. The run is itself a served run, so it is not
+    probed first: a vLLM failure, or a run past ``timeout`` seconds, raises
+    ``WorkerFailed`` (a ``RuntimeError``) saying how the worker ended and why where that
+    can be told (``refusal_cause``), with the end of its output; a scheme whose ops this
+    CPU's vLLM lacks raises ``ServingUnavailable``."""
+    config = check_checkpoint(checkpoint)
+    if dtype is None:
+        dtype = _checked_plan(checkpoint, None, python).dtype if is_quantized(config) else "auto"
     if max_model_len is None:
         lengths = [len(ids) + max_tokens for ids in prompts] + [len(ids) + 1 for ids in score]
         max_model_len = max(lengths, default=max_tokens)
@@ -128,15 +153,27 @@ def run_vllm(
         "max_tokens": max_tokens,
         "prompts": [list(map(int, ids)) for ids in prompts],
         "score": [list(map(int, ids)) for ids in score],
+        "required_ops": required_ops(config),
+        "tensor_parallel_size": tensor_parallel_size,
     }
-    return run_worker(request, serving_python(python), timeout, f"vLLM failed on {checkpoint}")
+    failure = f"vLLM failed on {checkpoint}"
+    try:
+        answer = run_worker(request, serving_python(python), timeout, failure)
+    except WorkerFailed as ended:
+        cause = refusal_cause(ended.ending)
+        if cause is None:
+            raise
+        raise WorkerFailed(f"{failure}: {cause}", ended.ending, ended.tail) from None
+    if answer.get("missing_ops"):
+        raise unavailable_ops(checkpoint, answer["missing_ops"])
+    return answer
 
 
 def _checked_plan(checkpoint, dtype: str | None, python) -> ServingPlan:
     """``serving_plan``'s, after its checks (``check_checkpoint``, every stored 2:4 layer
-    included, then that this machine's vLLM has the kernels the checkpoint needs:
-    ``ServingUnavailable``), so that no engine starts to crash; ``dtype`` overrides the
-    measured one. Its notes (what the plugin does in place of vLLM's kernels) are logged."""
+    included, then that this machine's vLLM serves the checkpoint: ``ServingUnavailable``),
+    so that no server starts to crash; ``dtype`` overrides the measured one. Its notes
+    (what the plugin does in place of vLLM's kernels) are logged."""
     plan = serving_plan(checkpoint, python, dtype)
     for note in plan.notes:
         logger.warning(note)
@@ -158,7 +195,8 @@ def vllm_perplexity(checkpoint: str | Path, windows, **kwargs) -> float:
 class Server:
     """vLLM's OpenAI-compatible server for ``checkpoint`` on ``host`` (a free port unless
     ``port`` is given), started on entry, waited for until ``/health`` answers (at most
-    ``start_timeout`` seconds) and stopped on exit; its output goes to ``log``.
+    ``start_timeout`` seconds) and stopped on exit; its output goes to ``log``. Requests
+    name the model ``model_name`` (``served_model_names``).
 
         with Server("outputs/ckpt", max_model_len=512) as server:
             print(server.complete("The capital of France is", max_tokens=16))
@@ -171,6 +209,7 @@ class Server:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
         self.checkpoint = str(Path(checkpoint).resolve())
+        self.model_name = served_model_names(checkpoint, command_kwargs.get("served_model_name"))[0]
         self.command = serve_command(checkpoint, host=host, port=port, **command_kwargs)
         self.url = f"http://{host}:{port}"
         self.log_path = Path(log) if log else Path(tempfile.mkstemp(suffix="-vllm.log")[1])
@@ -220,7 +259,7 @@ class Server:
 
     def complete(self, prompt: str, max_tokens: int = 16, **sampling) -> dict:
         """One ``/v1/completions`` request (greedy unless ``sampling`` says otherwise)."""
-        payload = {"model": self.checkpoint, "prompt": prompt, "max_tokens": max_tokens,
+        payload = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
                    "temperature": 0.0} | sampling  # fmt: skip
         return self.post("/v1/completions", payload)
 

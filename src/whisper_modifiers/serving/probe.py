@@ -24,6 +24,7 @@ from whisper_modifiers.serving.worker_process import (
     WorkerFailed,
     on_cpu,
     run_worker,
+    serving_env,
     serving_python,
 )
 from whisper_modifiers.sparse_serving.cpu_fp8 import EMULATED_FP8_NOTE
@@ -34,15 +35,27 @@ __all__ = [
     "ServingUnavailable",
     "capabilities",
     "capabilities_line",
-    "quantized_layers",
+    "is_quantized",
+    "refusal_cause",
+    "required_ops",
+    "unavailable_ops",
     "serving_dtype",
     "serving_plan",
 ]
 
 # vLLM's CPU op for each quantized scheme that needs one which not every CPU build has
 WEIGHT_ONLY_4BIT_OP = "cpu_gemm_wna16"
-PROBE_TIMEOUT = 180  # seconds per candidate dtype: start vLLM, one forward per layer shape
-PROBE_VERSION = 3  # part of the cache key: what a cached answer holds
+PROBE_TIMEOUT = 240  # seconds per candidate dtype: start vLLM, a few decodes, one prefill
+PROBE_VERSION = 4  # part of the cache key: what a cached answer holds
+PROBE_MODEL_LEN = 1024  # the probe engine's max_model_len (at most the model's)
+PROBE_PREFILL_TOKENS = 512  # one prompt of this many tokens, scored: prefill-sized batches
+PROBE_DECODE_BATCH = 4  # greedy decodes side by side
+QUANTIZED_CANDIDATES = ["auto", "bfloat16", "float16"]
+DENSE_CANDIDATES = ["auto", "float32"]
+# the serving environment's variables that change which kernels run
+PROBED_VARIABLES = ("ONEDNN_", "DNNL_", "VLLM_CPU_", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                    "WHISPER_MODIFIERS_", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY")  # fmt: skip
+AMX_FLAGS = {"amx_tile", "amx_int8", "amx_bf16"}
 # vllm-cpu's builds of its ops on x86, one of which it loads by the CPU's flags
 BUILDS = {"_C": "AVX-512 BF16 build", "_C_AVX512": "AVX-512 build", "_C_AVX2": "AVX2 build"}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
@@ -64,48 +77,25 @@ class ServingPlan:
     notes: tuple[str, ...] = field(default=())
 
 
-def quantized_layers(checkpoint: str | Path) -> list[tuple[str, int, int]]:
-    """``(name, out_features, in_features)`` of every quantized Linear of a
-    compressed-tensors checkpoint, read from the safetensors headers (and the small
-    ``weight_shape`` tensors of packed layers), without loading the weights."""
-    from safetensors import safe_open
-
-    directory = Path(checkpoint)
-    layers = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, "pt") as tensors:
-            names = set(tensors.keys())
-            for name in names:
-                if not name.endswith(".weight_scale"):
-                    continue
-                base = name[: -len(".weight_scale")]
-                if f"{base}.weight_shape" in names:  # packed: the real shape is stored
-                    out_features, in_features = tensors.get_tensor(f"{base}.weight_shape").tolist()
-                elif f"{base}.shape" in names:  # compressed 2:4 (sparse_serving)
-                    out_features, in_features = (
-                        tensors.get_tensor(f"{base}.shape").reshape(-1).tolist()
-                    )
-                elif f"{base}.weight" in names:
-                    out_features, in_features = tensors.get_slice(f"{base}.weight").get_shape()
-                else:
-                    continue
-                layers[base] = (int(out_features), int(in_features))
-    return [(name, *shape) for name, shape in sorted(layers.items())]
-
-
-def probe_request(checkpoint: Path, config: dict, candidates: list[str]) -> dict:
-    """The worker's request to try ``candidates`` on one layer of each quantized shape."""
-    shapes = {}  # one layer per distinct shape: the kernels dispatch on the shape
-    for name, out_features, in_features in quantized_layers(checkpoint):
-        shapes.setdefault((out_features, in_features), name)
-    scheme = scheme_config(config)
+def probe_request(checkpoint: Path, config: dict, dtype: str) -> dict:
+    """The worker's request to serve ``checkpoint`` in ``dtype`` as a served request runs
+    (``vllm_worker.probe_serving``)."""
+    positions = int(config.get("max_position_embeddings") or PROBE_MODEL_LEN)
+    max_model_len = min(positions, PROBE_MODEL_LEN)
     return {
+        "probe": True,
         "model": str(checkpoint.resolve()),
-        "quantization_config": scheme,
-        "layers": [[name, *shape] for shape, name in sorted(shapes.items())],
-        "probe_dtypes": candidates,
-        "required_ops": [WEIGHT_ONLY_4BIT_OP] if _weight_only_4bit(scheme) else [],
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "decode_batch": PROBE_DECODE_BATCH,
+        "prefill_tokens": min(PROBE_PREFILL_TOKENS, max_model_len - 1),
+        "required_ops": required_ops(config),
     }
+
+
+def required_ops(config: dict) -> list[str]:
+    """The vLLM CPU ops a checkpoint's scheme needs that not every CPU build has."""
+    return [WEIGHT_ONLY_4BIT_OP] if _weight_only_4bit(scheme_config(config)) else []
 
 
 def _weight_only_4bit(scheme: dict) -> bool:
@@ -124,92 +114,146 @@ def scheme_config(config: dict) -> dict:
     return quantization
 
 
+def is_quantized(config: dict) -> bool:
+    return bool(scheme_config(config).get("config_groups"))
+
+
+def probe_environment() -> dict[str, str]:
+    """The variables of the serving environment that change which kernels run
+    (oneDNN's ISA cap, vLLM's CPU settings, the plugin's kernel mode, threads)."""
+    return {key: value for key, value in sorted(serving_env().items())
+            if key.startswith(PROBED_VARIABLES)}  # fmt: skip
+
+
+def refusal_cause(ending: str) -> str | None:
+    """What a serving process that ended so (``exit_description``) says about this
+    machine, when it names a cause: an illegal instruction on a CPU with AMX is AMX that
+    the process may not use (the OS, a VM or a container did not grant it, or oneDNN's ISA
+    is capped, so nothing asked for it) while vLLM's AMX kernels still run."""
+    if "SIGILL" not in ending:
+        return None
+    if cpu_flag_set() & AMX_FLAGS:
+        capped = [f"{key}={value}" for key, value in probe_environment().items()
+                  if key.endswith("MAX_CPU_ISA")]  # fmt: skip
+        return ("AMX present but not usable in this process, or capped"
+                + (f" ({', '.join(capped)})" if capped else "")
+                + ": vLLM's AMX kernels died with an illegal instruction")  # fmt: skip
+    return "an instruction this CPU or process does not allow killed vLLM (SIGILL)"
+
+
 def probe_dtypes(checkpoint: Path, config: dict, candidates: list[str], python: Path) -> dict:
-    """Try ``candidates`` in order, each in its own worker process, until one is accepted:
-    ``{"dtype": the accepted one or None, "errors": {dtype: why refused}, "missing_ops",
-    "emulated_fp8", "kernels"}``. A process that dies (a C++ ``terminate``, a signal) or
-    runs past ``PROBE_TIMEOUT`` refuses its dtype."""
+    """Serve ``checkpoint`` in each of ``candidates`` in turn, each in its own process
+    (``vllm_worker.probe_serving``), until one runs: ``{"dtype": the accepted one or None,
+    "errors": {dtype: why refused}, "missing_ops", "emulated_fp8", "kernels",
+    "resolved"}``. A process that dies (a signal, a C++ ``terminate``) or runs past
+    ``PROBE_TIMEOUT`` refuses its dtype, with the cause where it can be named
+    (``refusal_cause``)."""
     answer = {"dtype": None, "errors": {}, "missing_ops": [], "emulated_fp8": False,
-              "kernels": {}, "resolved": {}}  # fmt: skip
+              "kernels": {}, "resolved": {}, "timed_out": False}  # fmt: skip
     for dtype in candidates:
-        request = probe_request(checkpoint, config, [dtype])
+        request = probe_request(checkpoint, config, dtype)
         try:
-            reply = run_worker(request, python, PROBE_TIMEOUT, f"vLLM's {dtype} kernel probe")
+            reply = run_worker(request, python, PROBE_TIMEOUT, f"vLLM serving in {dtype}")
         except WorkerFailed as ended:
             last = ended.tail.splitlines()[-1:] or [""]
-            answer["errors"][dtype] = f"the probe process ended ({ended.ending}): {last[0]}"
+            cause = refusal_cause(ended.ending)
+            answer["errors"][dtype] = cause or f"the process ended ({ended.ending}): {last[0]}"
+            answer["timed_out"] |= ended.ending.startswith("stopped after")
             continue
         if reply["missing_ops"]:  # no dtype can help
             answer["missing_ops"] = reply["missing_ops"]
             break
         answer["errors"].update(reply["errors"])
-        answer["resolved"].update(reply.get("resolved", {}))
         if reply["accepted"]:
-            answer.update(dtype=dtype, emulated_fp8=reply["emulated_fp8"], kernels=reply["kernels"])
+            answer.update(dtype=dtype, emulated_fp8=reply["emulated_fp8"],
+                          kernels=reply["kernels"], resolved=reply["resolved"])  # fmt: skip
             break
     return answer
 
 
 def serving_plan(checkpoint: str | Path, python: str | Path | None = None,
                  dtype: str | None = None) -> ServingPlan:  # fmt: skip
-    """How vLLM serves ``checkpoint`` here: ``--dtype`` ``dtype`` if given, else
-    ``"auto"`` (vLLM's own choice: the checkpoint's dtype, or bfloat16 for a float32 one
-    on a CPU) unless it is quantized and served on a CPU, where the installed vLLM's
-    kernels are asked (``probe_dtypes``: one forward of each quantized layer shape through
-    the scheme vLLM picks) which of ``auto``, bfloat16 and float16 they accept, and the
-    first accepted is used. The answer depends on the CPU (vLLM's int8 kernel needs 16-bit
-    activations where AMX exists; its 4-bit weight-only kernels have no float32 version
-    anywhere, and vllm-cpu's AVX2 build has none at all), so it is measured once per
-    serving environment, CPU and scheme, and cached.
+    """How vLLM serves ``checkpoint`` here: ``--dtype`` ``dtype`` if given, else the first
+    of the candidates vLLM runs here (``auto``, vLLM's own choice: the checkpoint's dtype,
+    or bfloat16 for a float32 one on a CPU; then bfloat16 and float16 for a quantized
+    checkpoint, float32 for an unquantized one). On a CPU each candidate is served the way
+    a request is before any server starts (``probe_dtypes``: the engine, a batch of
+    decodes and a prompt of ``PROBE_PREFILL_TOKENS``), so a kernel that dies (vLLM's AMX
+    kernels where AMX is not usable, a missing op, a dtype a kernel has no version for)
+    refuses its dtype here, not in the middle of a request. The answer depends on the CPU
+    and the serving environment (``probe_environment``), so it is measured once per
+    serving Python, CPU, environment, checkpoint and dtype, and cached.
 
     Where vLLM's FP8 path on this CPU is its pure-PyTorch emulation, a compressed 2:4
     chain is served with the FP8 weights dequantized by the plugin (a note says so), and
-    any other FP8 checkpoint is refused. Raises ``ServingUnavailable`` when the build lacks
-    an op the scheme needs; ``check_checkpoint``'s errors come first."""
+    any other FP8_DYNAMIC checkpoint is refused before any engine starts. Raises
+    ``ServingUnavailable`` when the build lacks an op the scheme needs or no candidate
+    runs; ``check_checkpoint``'s errors come first."""
     config = check_checkpoint(checkpoint)
-    if not on_cpu() or not scheme_config(config).get("config_groups"):
-        return ServingPlan(dtype or "auto")
-    candidates = ["auto", "bfloat16", "float16"]
-    request = probe_request(Path(checkpoint), config, candidates)
-    if not request["layers"]:
+    if not on_cpu():
         return ServingPlan(dtype or "auto")
     python = serving_python(python)
+    ours = (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+    if not ours and _dynamic_fp8(scheme_config(config)):  # refused before any engine starts
+        kernel = capabilities(python)["fp8_dynamic_kernel"]
+        if kernel.endswith("(emulated)"):
+            raise ServingUnavailable(
+                f"{checkpoint}: vLLM runs this checkpoint's FP8 layers on this CPU only "
+                f"through its emulated path ({kernel.split()[0]}, torch._scaled_mm on the "
+                "CPU: 10 decoded tokens/s on SmolLM2-135M where dequantized weights gave "
+                "190, docs/serving.md); save the chain in the compressed 2:4 layout "
+                "(whisper-prune's default), whose vLLM plugin serves the FP8 weights "
+                "dequantized to the model's dtype, or prune with a W8A8 chain"
+            )
+    quantized = is_quantized(config)
+    candidates = [dtype] if dtype else (QUANTIZED_CANDIDATES if quantized else DENSE_CANDIDATES)
     key = hashlib.sha256(
         json.dumps(
-            [PROBE_VERSION, str(python.resolve()), python.stat().st_mtime, cpu_flags(), request],
+            [
+                PROBE_VERSION,
+                str(python.resolve()),
+                python.stat().st_mtime,
+                cpu_flags(),
+                probe_environment(),
+                candidates,
+                probe_request(Path(checkpoint), config, ""),
+            ],
             sort_keys=True,
         ).encode()  # fmt: skip
     ).hexdigest()
     cache = cache_dir() / "serving_dtypes.json"
     known = json.loads(cache.read_text()) if cache.is_file() else {}
-    if key not in known:
+    answer = known.get(key)
+    if answer is None:
         answer = probe_dtypes(Path(checkpoint), config, candidates, python)
-        if answer["dtype"] is None and not answer["missing_ops"]:
-            raise RuntimeError(
-                f"vLLM's kernels on this CPU accept none of {', '.join(candidates)} for "
-                f"{checkpoint}: {answer['errors']}"
-            )
-        known[key] = answer
-        _write_atomically(cache, known)
-    answer = known[key]
+        if not answer["timed_out"]:  # a machine too busy to answer may do better later
+            known = json.loads(cache.read_text()) if cache.is_file() else {}
+            known[key] = answer
+            _write_atomically(cache, known)
     if answer["missing_ops"]:
-        raise _unavailable(checkpoint, answer["missing_ops"])
-    chosen = dtype or answer["dtype"]
+        raise unavailable_ops(checkpoint, answer["missing_ops"])
+    if answer["dtype"] is None:
+        tried = "; ".join(f"{name}: {why}" for name, why in answer["errors"].items())
+        raise ServingUnavailable(
+            f"vLLM cannot serve {checkpoint} on this CPU in any of {', '.join(candidates)} "
+            f"(each tried as a served request runs, before any server starts): {tried}"
+        )
+    chosen = answer["dtype"]
     resolved = answer["resolved"].get(chosen, None if chosen == "auto" else chosen)
     notes = ()
-    if answer["emulated_fp8"]:
+    if answer["emulated_fp8"]:  # our compressed chain: the plugin dequantized the weights
         kernel = sorted(set(answer["kernels"].values()))[0]
-        if (config.get("quantization_config") or {}).get("quant_method") != QUANT_METHOD:
-            raise ServingUnavailable(
-                f"{checkpoint}: vLLM runs this checkpoint's FP8 layers on this CPU only "
-                f"through its emulated path ({kernel}, torch._scaled_mm on the CPU: 10 "
-                "decoded tokens/s on SmolLM2-135M where dequantized weights gave 190, "
-                "docs/serving.md); save the chain in the "
-                "compressed 2:4 layout (whisper-prune's default), whose vLLM plugin serves "
-                "the FP8 weights dequantized to the model's dtype, or prune with a W8A8 chain"
-            )
         notes = (EMULATED_FP8_NOTE.format(kernel=kernel, dtype=resolved or chosen),)
     return ServingPlan(chosen, resolved, notes)
+
+
+def _dynamic_fp8(scheme: dict) -> bool:
+    """Whether a compressed-tensors config has float8 weights with dynamic activations
+    (FP8_DYNAMIC: what ``capabilities``' ``fp8_dynamic_kernel`` answers for)."""
+    return any((group.get("weights") or {}).get("type") == "float"
+               and (group.get("weights") or {}).get("num_bits") == 8
+               and (group.get("input_activations") or {}).get("dynamic") is True
+               for group in (scheme.get("config_groups") or {}).values())  # fmt: skip
 
 
 def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> str:
@@ -217,7 +261,7 @@ def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> s
     return serving_plan(checkpoint, python).dtype
 
 
-def _unavailable(checkpoint, missing: list[str]) -> ServingUnavailable:
+def unavailable_ops(checkpoint, missing: list[str]) -> ServingUnavailable:
     return ServingUnavailable(
         f"this checkpoint's W4A16 layers cannot be served by vLLM on this CPU (its build has "
         f"no {', '.join(f'`{op}`' for op in missing)}; it needs an x86 CPU with AVX-512, "

@@ -7,26 +7,21 @@ serving environment's Python.
 
     python -c "$(cat vllm_worker.py)" REQUEST.json
 
-The request holds ``model``, ``dtype``, ``max_model_len``, ``prompts`` (lists of token
-ids, completed greedily for ``max_tokens`` tokens) and ``score`` (lists of token ids whose
-log-likelihood vLLM reports through ``prompt_logprobs``). The answer holds ``completions``
+The request holds ``model``, ``dtype``, ``max_model_len``, ``tensor_parallel_size``
+(vLLM's ``mp`` executor above 1), ``prompts`` (lists of token ids, completed greedily for
+``max_tokens`` tokens) and ``score`` (lists of token ids whose log-likelihood vLLM
+reports through ``prompt_logprobs``). The answer holds ``completions``
 (generated token ids per prompt), ``scores`` (per sequence: the summed negative
 log-likelihood of every token after the first, and how many tokens that is) and
 ``seconds`` (the wall time of the greedy generation, after a one-token warm-up, and of
 the scoring).
 
-A request with ``"probe_dtypes"`` instead asks which activation dtypes vLLM's kernels for
-this checkpoint's quantization scheme accept on this machine. First, which of the
-``required_ops`` this CPU's build of vLLM lacks (``missing_ops``: then nothing is tried);
-then, for each candidate dtype (the driver sends one per process, so that a kernel which
-aborts the process refuses only its own dtype)
-and each ``layers`` entry (``[name, out_features, in_features]``), the scheme vLLM would
-pick for that layer creates random weights, processes them as after loading and runs one
-forward; the answer's ``accepted`` lists the dtypes for which every layer ran and gave
-finite outputs, ``errors`` the first error of each refused dtype, ``resolved`` the torch
-dtype each candidate means to vLLM (``auto``: bfloat16 for a float32 model on a CPU), and
-``kernels`` the kernel class vLLM chose for each quantized layer (``emulated_fp8``: FP8
-layers run by vLLM's pure-PyTorch ``torch._scaled_mm`` fallback on a CPU).
+A request with ``"probe"`` instead serves the checkpoint in one ``dtype`` the way a served
+request runs (``probe_serving``): the answer says whether it ran (``accepted``), what the
+dtype means to vLLM (``resolved``: ``auto`` is bfloat16 for a float32 model on a CPU),
+the kernel class vLLM chose for each quantized layer (``kernels``; ``emulated_fp8``: FP8
+layers run by vLLM's pure-PyTorch ``torch._scaled_mm`` fallback on a CPU), or which of
+the ``required_ops`` this CPU's build lacks (``missing_ops``).
 
 A request with ``"capabilities"`` asks what this serving environment has on this CPU:
 vLLM's version, which build of its CPU ops it loaded, which of the ops the quantized
@@ -36,102 +31,73 @@ schemes need exist, and whether AMX is there.
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 
-def probe_dtypes(request: dict) -> dict:
-    import tempfile
+def probe_serving(request: dict) -> dict:
+    """Serve ``request["model"]`` in ``request["dtype"]`` as a served request runs: the
+    engine with the server's settings (eager, in this process), a batch of greedy decodes
+    and a prompt of ``prefill_tokens`` scored token by token (prefill-sized batches through
+    every Linear and the LM head). First, which of the ``required_ops`` this CPU's build
+    lacks (``missing_ops``; then nothing is started). A kernel that kills the process ends
+    the probe with it: the driver names the cause (``probe.refusal_cause``)."""
+    import random
 
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    missing = _missing_ops(request.get("required_ops", []))
+    if missing:  # no dtype can help
+        return {"accepted": [], "errors": {}, "missing_ops": missing}
+    dtype = request["dtype"]
+    try:  # an error a kernel raises (not a crash) refuses this dtype
+        llm = LLM(model=request["model"], dtype=dtype, max_model_len=request["max_model_len"],
+                  enforce_eager=True, seed=0)  # fmt: skip
+        vocabulary = llm.llm_engine.model_config.get_vocab_size()
+        draw = random.Random(0)
+        lengths = [8] * request["decode_batch"] + [request["prefill_tokens"]]
+        prompts = [TokensPrompt(prompt_token_ids=[draw.randrange(vocabulary) for _ in range(n)])
+                   for n in lengths]  # fmt: skip
+        decode = SamplingParams(temperature=0.0, max_tokens=4)
+        score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outputs = llm.generate(prompts, [decode] * request["decode_batch"] + [score],
+                               use_tqdm=False)  # fmt: skip
+        scored = zip(outputs[-1].prompt_logprobs[1:], prompts[-1]["prompt_token_ids"][1:],
+                     strict=True)  # fmt: skip
+        if not all(math.isfinite(entry[token].logprob) for entry, token in scored):
+            raise RuntimeError("vLLM's log-probabilities were not finite")
+        kernels, emulated = llm.apply_model(_quantized_kernels)[0]
+    except Exception as error:
+        return {"accepted": [], "missing_ops": [],
+                "errors": {dtype: f"{type(error).__name__}: {error}"[:500]}}  # fmt: skip
+    return {"accepted": [dtype], "errors": {}, "missing_ops": [],
+            "resolved": {dtype: str(llm.llm_engine.model_config.dtype).removeprefix("torch.")},
+            "kernels": kernels, "emulated_fp8": emulated}  # fmt: skip
+
+
+def _missing_ops(required: list[str]) -> list[str]:
+    """Which of vLLM's CPU ops ``required`` this CPU's build of vLLM lacks."""
     import torch
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed.parallel_state import (
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsConfig,
-    )
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()  # as the engine does: ModelConfig must know plugin methods
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()  # this CPU's build of vLLM's ops (_C, _C_AVX2, ...)
-    missing = [op for op in request.get("required_ops", []) if not hasattr(torch.ops._C, op)]
-    if missing:  # no dtype can help
-        return {"accepted": [], "errors": {}, "missing_ops": missing}
-    config = CompressedTensorsConfig.from_config(request["quantization_config"])
-    accepted, errors, kernels, resolved = [], {}, {}, {}
-    with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig()):
-        # one process, as the engine sets it up: the layers look up their TP group
-        init_distributed_environment(1, 0, f"file://{tmp}/init", 0, backend="gloo")
-        initialize_model_parallel(1, 1)
-    for name in request["probe_dtypes"]:
-        try:  # the engine's config for this dtype (schemes read the model dtype from it)
-            model_config = ModelConfig(model=request["model"], dtype=name, enforce_eager=True)
-            dtype = model_config.dtype  # what "auto" means here: vLLM's choice for the model
-            resolved[name] = str(dtype).removeprefix("torch.")
-            with set_current_vllm_config(VllmConfig(model_config=model_config)):
-                for layer_name, out_features, in_features in request["layers"]:
-                    kernel = _probe_layer(config, layer_name, out_features, in_features, dtype)
-                    if kernel is not None:
-                        kernels[layer_name] = kernel
-        except Exception as error:  # the kernel refused this dtype (or this shape)
-            errors[name] = f"{type(error).__name__}: {error}"[:500]
-        else:
-            accepted.append(name)
+    return [op for op in required if not hasattr(torch.ops._C, op)]
+
+
+def _quantized_kernels(model) -> tuple[dict[str, str], bool]:
+    """The class of the kernel vLLM chose for each quantized Linear of ``model``, and
+    whether any is its emulated FP8 path."""
     from whisper_modifiers.sparse_serving.cpu_fp8 import emulated_fp8_kernel
 
-    emulated = any(emulated_fp8_kernel(kernel) for kernel in kernels.values())
-    return {"accepted": accepted, "errors": errors, "missing_ops": [], "resolved": resolved,
-            "kernels": {name: kernel.__name__ for name, kernel in kernels.items()},
-            "emulated_fp8": emulated}  # fmt: skip
-
-
-def _probe_layer(config, layer_name: str, out_features: int, in_features: int, dtype):
-    """One forward of ``layer_name``'s scheme in ``dtype``; the class of the kernel vLLM
-    chose for it (None if it is left unquantized or the scheme names none)."""
-    import torch
-
-    # matched by class name as vLLM's RowParallelLinear etc. are: "Linear" is contained
-    layer = type("ProbeLinear", (torch.nn.Module,), {})()
-    scheme = config.get_scheme(layer, layer_name)
-    if scheme is None:  # left unquantized: vLLM's dense path takes any dtype
-        return None
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as vLLM sets it while loading a model
-    try:
-        scheme.create_weights(
-            layer=layer,
-            output_size=out_features,
-            input_size=in_features,
-            output_partition_sizes=[out_features],
-            input_size_per_partition=in_features,
-            params_dtype=dtype,
-            weight_loader=lambda *args, **kwargs: None,
-        )
-        generator = torch.Generator().manual_seed(0)
-        for parameter in layer.parameters():
-            data = parameter.data
-            if data.is_floating_point() and data.element_size() > 1:
-                data.copy_(torch.rand(data.shape, generator=generator) * 0.01 + 0.001)
-            elif data.is_floating_point():  # fp8 values
-                data.copy_(torch.randn(data.shape, generator=generator).to(data.dtype))
-            else:
-                info = torch.iinfo(data.dtype)
-                low, high = max(info.min, -(2**15)), min(info.max, 2**15)
-                data.copy_(torch.randint(low, high, data.shape, generator=generator))
-        if not hasattr(layer, "bias"):
-            layer.bias = None
-        scheme.process_weights_after_loading(layer)
-        x = torch.randn(4, in_features, generator=generator).to(dtype)
-        y = scheme.apply_weights(layer, x, None)
-        if y.shape != (4, out_features) or not torch.isfinite(y.float()).all():
-            raise RuntimeError(f"{layer_name}: wrong or non-finite output {tuple(y.shape)}")
-    finally:
-        torch.set_default_dtype(previous)
-    kernel = getattr(scheme, "fp8_linear", None) or getattr(scheme, "kernel", None)
-    return None if kernel is None else type(kernel)
+    kernels, emulated = {}, False
+    for name, module in model.named_modules():
+        scheme = getattr(module, "scheme", None)
+        kernel = getattr(scheme, "fp8_linear", None) or getattr(scheme, "kernel", None)
+        if kernel is not None:
+            kernels[name] = type(kernel).__name__
+            emulated |= emulated_fp8_kernel(type(kernel))
+    return kernels, emulated
 
 
 # the ops vLLM's quantized CPU kernels call, by scheme (csrc/cpu; present per build)
@@ -206,8 +172,8 @@ def _installed(distribution: str) -> bool:
 
 def main(request_path: str) -> int:
     request = json.loads(open(request_path).read())
-    if "probe_dtypes" in request:
-        print("WHISPER_VLLM_RESULT " + json.dumps(probe_dtypes(request)), flush=True)
+    if "probe" in request:
+        print("WHISPER_VLLM_RESULT " + json.dumps(probe_serving(request)), flush=True)
         return 0
     if "capabilities" in request:
         print("WHISPER_VLLM_RESULT " + json.dumps(capabilities()), flush=True)
@@ -215,12 +181,19 @@ def main(request_path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    missing = _missing_ops(request.get("required_ops", []))
+    if missing:
+        print("WHISPER_VLLM_RESULT " + json.dumps({"missing_ops": missing}), flush=True)
+        return 0
+    parallel = request.get("tensor_parallel_size", 1)
     llm = LLM(
         model=request["model"],
         dtype=request.get("dtype", "auto"),
         max_model_len=request.get("max_model_len", 512),
         enforce_eager=True,
         seed=0,
+        tensor_parallel_size=parallel,
+        **({"distributed_executor_backend": "mp"} if parallel > 1 else {}),
     )
     import time
 
@@ -250,5 +223,53 @@ def main(request_path: str) -> int:
     return 0
 
 
+def resident(control_fd: int) -> int:
+    """Run requests one after another in this process, vLLM imported once
+    (``worker_process.ResidentWorker``). Each line on stdin is a job: ``request`` (a
+    request file), ``log`` (where the request's output goes, file descriptors 1 and 2
+    included) and ``env`` (its environment). After each, the job's status is written as a
+    line to ``control_fd`` (0, or 1 where the request raised: as a process of its own would
+    have exited), and vLLM's distributed state and memory are released for the next."""
+    import gc
+    import os
+    import traceback
+
+    import vllm  # noqa: F401  (what the resident imports once)
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    control = os.fdopen(control_fd, "w")
+    for line in sys.stdin:
+        job = json.loads(line)
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        kept = os.dup(1), os.dup(2)
+        with open(job["log"], "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                status = main(job["request"])
+            except Exception:  # as the process of its own would end: the traceback, exit 1
+                traceback.print_exc()
+                status = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                for fd, original in zip((1, 2), kept, strict=True):
+                    os.dup2(original, fd)
+                    os.close(original)
+                os.environ.clear()
+                os.environ.update(saved)
+                cleanup_dist_env_and_memory()
+                gc.collect()
+        control.write(json.dumps({"status": status}) + "\n")
+        control.flush()
+    return 0
+
+
 if __name__ == "__main__":  # also under `python -c`
+    if sys.argv[1] == "--resident":
+        sys.exit(resident(int(sys.argv[2])))
     sys.exit(main(sys.argv[1]))

@@ -9,8 +9,11 @@ lines it printed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -18,9 +21,11 @@ from pathlib import Path
 
 __all__ = [
     "SERVING_PYTHON_ENV",
+    "ResidentWorker",
     "WorkerFailed",
     "exit_description",
     "on_cpu",
+    "resident_workers",
     "run_worker",
     "serving_env",
     "serving_python",
@@ -94,7 +99,14 @@ def last_lines(*outputs: str | bytes | None, count: int = TAIL_LINES) -> str:
 
 def run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM failed") -> dict:
     """Run ``vllm_worker.py`` on ``request`` with the serving environment's ``python``, for
-    at most ``timeout`` seconds; its JSON answer, or ``WorkerFailed``."""
+    at most ``timeout`` seconds; its JSON answer, or ``WorkerFailed``. Within
+    ``resident_workers()``, in the resident process of that Python where the request can
+    run there (``ResidentWorker.takes``), else in a process of its own."""
+    resident = _residents.get(Path(python)) if _residents is not None else None
+    if resident is None and _residents is not None:
+        resident = _residents[Path(python)] = ResidentWorker(Path(python))
+    if resident is not None and resident.takes(request):
+        return resident.run(request, timeout, failure)
     with tempfile.TemporaryDirectory() as tmp:
         request_path = Path(tmp) / "request.json"
         request_path.write_text(json.dumps(request))
@@ -114,3 +126,110 @@ def run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM
             return json.loads(line[len(RESULT_PREFIX) :])
     tail = last_lines(done.stdout, done.stderr)
     raise WorkerFailed(failure, exit_description(done.returncode), tail)
+
+
+# Variables a resident process applies per request (read when a layer loads or a file is
+# written); any other difference from the environment it started with needs a process of
+# its own (oneDNN's ISA cap, vLLM's plugins and thread binding are read once per process).
+PER_REQUEST_VARIABLES = ("WHISPER_MODIFIERS_SPARSE24", "WHISPER_MODIFIERS_CACHE")
+_residents: dict[Path, ResidentWorker] | None = None
+
+
+class ResidentWorker:
+    """One long-lived ``vllm_worker.py --resident`` process of a serving Python, which
+    imports vLLM once (14 s of a 25 s run of a small model on a 2-core CPU) and runs
+    requests one after another, releasing vLLM's state between them. A request fails as it
+    would in a process of its own: the exit status, the signal that killed the process (a
+    new one starts for the next request), or the time limit (the process is killed), with
+    the last lines of that request's output."""
+
+    def __init__(self, python: Path):
+        self.python = python
+        self.process = None
+        self.environment: dict[str, str] = {}
+        self.directory = Path(tempfile.mkdtemp(prefix="whisper-resident-"))
+        self.jobs = 0
+
+    def takes(self, request: dict) -> bool:
+        """Whether ``request`` can run in the resident process as it would in its own:
+        one engine process (no tensor parallelism), and the environment it started with,
+        but for ``PER_REQUEST_VARIABLES``."""
+        if request.get("tensor_parallel_size", 1) > 1:
+            return False
+        return self.process is None or _fixed(serving_env()) == _fixed(self.environment)
+
+    def _start(self) -> None:
+        self.environment = serving_env()
+        read, write = os.pipe()
+        log = open(self.directory / "resident.log", "a")
+        self.process = subprocess.Popen(
+            [str(self.python), "-c", WORKER.read_text(), "--resident", str(write)],
+            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+            env=self.environment, cwd=self.directory, pass_fds=[write],
+        )  # fmt: skip
+        log.close()
+        os.close(write)
+        self.control = os.fdopen(read)
+
+    def run(self, request: dict, timeout: float, failure: str) -> dict:
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        self.jobs += 1
+        request_path = self.directory / f"request-{self.jobs}.json"
+        log = self.directory / f"output-{self.jobs}.log"
+        request_path.write_text(json.dumps(request))
+        job = {"request": str(request_path), "log": str(log), "env": serving_env()}
+        try:
+            self.process.stdin.write(json.dumps(job) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: read below
+        ready, _, _ = select.select([self.control], [], [], timeout)
+        line = self.control.readline() if ready else None
+        output = log.read_text(errors="replace") if log.is_file() else ""
+        request_path.unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
+        if not line:  # killed (a signal, or the time limit): the next request starts anew
+            if not ready:
+                self.process.kill()
+            returncode = self.process.wait()
+            self.process = None
+            ending = f"stopped after {timeout:.0f} s" if not ready else exit_description(returncode)
+            raise WorkerFailed(failure, ending, last_lines(output))
+        for text in output.splitlines():
+            if text.startswith(RESULT_PREFIX):
+                return json.loads(text[len(RESULT_PREFIX) :])
+        status = json.loads(line)["status"]
+        raise WorkerFailed(failure, exit_description(status), last_lines(output))
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _fixed(environment: dict[str, str]) -> dict[str, str]:
+    """What a resident process must have started with (pytest's PYTEST_CURRENT_TEST, which
+    changes with every test, left out too)."""
+    return {key: value for key, value in environment.items()
+            if key not in PER_REQUEST_VARIABLES and not key.startswith("PYTEST_")}  # fmt: skip
+
+
+@contextlib.contextmanager
+def resident_workers():
+    """Within it, ``run_worker`` runs requests in one resident process per serving Python
+    (``ResidentWorker``) where they can run there: for test suites and benchmarks that ask
+    vLLM many small things. Outside it (the default), every request has its own process."""
+    global _residents
+    previous, _residents = _residents, {}
+    try:
+        yield
+    finally:
+        for worker in _residents.values():
+            worker.close()
+        _residents = previous
