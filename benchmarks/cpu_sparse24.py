@@ -10,8 +10,9 @@ kernels, its tiled path, and the op with the measured plan's choice, as served).
 copies of the weights are cycled (at least ``--working-set`` MiB of each) so that no call
 finds its weight in cache: decode reads every weight from memory, as in a served model.
 Every time is the median over ``--repeats`` passes; ratios are dense time / op time
-(above 1: the op is faster). Writes ``cpu_sparse24.md``, ``cpu_sparse24.json`` and
-``cpu_sparse24.png`` to ``--out``, each labelled by this CPU.
+(above 1: the op is faster). Writes ``cpu_sparse24-ISA.md``, ``.json`` and ``.png`` to
+``--out``, ISA being the op's kernels here (``avx2``, ``avx512``, ``avx512_bf16``: one file
+set per kind of CPU), each labelled by this CPU's line.
 """
 
 from __future__ import annotations
@@ -155,28 +156,29 @@ def main(argv=None) -> int:
         default=256,
         help="MiB of distinct dense weights cycled per shape (default 256)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_sparse24")
     args = parser.parse_args(argv)
     if min(args.tokens) < 1 or args.repeats < 1 or args.working_set < 1:
         parser.error("--tokens, --repeats and --working-set must be at least 1")
     import torch
 
-    from whisper_modifiers.sparse_serving.cpu_op import cpu_kernels_unavailable
+    from whisper_modifiers.sparse_serving.cpu_op import cpu_isa, cpu_kernels_unavailable
 
     reason = cpu_kernels_unavailable()
     if reason:
         print(f"the 2:4 CPU op does not run here: {reason}")
         return 0
     dtype = getattr(torch, args.dtype)
+    stem = args.out / f"cpu_sparse24-{cpu_isa()}"
     payload = {"cpu": cpu_line(), "dtype": args.dtype, "torch": torch.__version__, "shapes": {}}
     for model in args.shapes:
         for projection, (rows, columns) in SHAPES[model].items():
             print(f"{model} {projection}", flush=True)
             key = f"{model}/{projection}"
             payload["shapes"][key] = measure_shape(rows, columns, args.tokens, dtype, args)
-            write_json(args.out / "cpu_sparse24.json", payload)
-    (args.out / "cpu_sparse24.md").write_text(markdown(payload))
-    plot(payload, args.out / "cpu_sparse24.png")
+            write_json(stem.with_suffix(".json"), payload)
+    stem.with_suffix(".md").write_text(markdown(payload))
+    plot(payload, stem.with_suffix(".png"))
     print(markdown(payload))
     return 0
 

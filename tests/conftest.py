@@ -30,6 +30,21 @@ def pytest_configure(config):
             f"test data not found at {SHARED}; set WHISPER_MODIFIERS_SHARED to the "
             "shared/ folder (models/stories260K, data/...)"
         )
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:  # an xdist worker: the CPUs shared out, for torch and the processes it starts
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist's ``loadgroup``, a module whose tests share a module-scoped fixture (a
+    pruned checkpoint, a resident vLLM process, the torchrun runs) runs on one worker, so
+    that the fixture is built once; every other test goes wherever a worker is free."""
+    for item in items:
+        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(defs and defs[-1].scope == "module" for defs in definitions.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def pytest_sessionstart(session):

@@ -94,8 +94,9 @@ def test_decompress_kernel_equals_the_format(isa, dtype):
 @pytest.mark.parametrize("path", ["rows", "tiles"])
 def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
     """Row kernels: float32 sums of exact products, rounded once to ``x``'s dtype. Tiles:
-    the dense GEMM in the weight's dtype (``x`` rounded to it), with the bias, rounded once
-    to it, then to ``x``'s dtype."""
+    the dense GEMM with the bias, in bfloat16 for bfloat16 weights where the kernels are
+    ``avx512_bf16`` (``x`` rounded to it, the result rounded once to it, then to ``x``'s
+    dtype), else in float32 as the row kernels sum."""
     generator = torch.Generator().manual_seed(1)
     for rows, columns in SHAPES:
         weight = integer_two_four(rows, columns, weight_dtype, generator)
@@ -103,7 +104,8 @@ def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
         for tokens in TOKENS:
             x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
             bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
-            exact_in = x_dtype if path == "rows" else weight_dtype
+            bf16_tiles = path == "tiles" and weight_dtype == torch.bfloat16 and isa == "avx512_bf16"
+            exact_in = torch.bfloat16 if bf16_tiles else x_dtype
             exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
             expected = exact.to(exact_in).to(x_dtype)
             got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns,
@@ -203,3 +205,26 @@ def test_avx512_kernels_are_right_on_any_cpu(tmp_path):
     assert built.returncode == 0, built.stderr[-3000:]
     done = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout[-3000:]
+
+
+def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):
+    """A plan is kept per build of the op (its sources, torch, compiler): a plan measured
+    with other kernels is not reused, one measured with these is."""
+    from whisper_modifiers.sparse_serving import cpu_plans
+
+    measured = []
+
+    def measure(out_features, in_features, dtype):
+        measured.append(cpu_plans.loaded_build_key())
+        return cpu_plans.CpuPlan(16, True), []
+
+    monkeypatch.setenv("WHISPER_MODIFIERS_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_plans, "measure_cpu_plan", measure)
+    monkeypatch.setattr(cpu_plans, "_known", {})
+    assert cpu_plans.cpu_plan(8, 32, torch.float32) == cpu_plans.CpuPlan(16, True)
+    monkeypatch.setattr(cpu_plans, "_known", {})  # a new process: from the file
+    cpu_plans.cpu_plan(8, 32, torch.float32)
+    assert len(measured) == 1
+    monkeypatch.setattr(cpu_plans, "loaded_build_key", lambda: "another build")
+    cpu_plans.cpu_plan(8, 32, torch.float32)
+    assert measured[-1] == "another build" and len(measured) == 2

@@ -394,10 +394,15 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
 
 def test_serve_small_example(tmp_path, monkeypatch, capsys, source_model):
     monkeypatch.setattr(sys, "argv", ["serve_small.py", str(tmp_path / "ckpt"), str(source_model)])
-    runpy.run_path(str(REPO / "examples" / "serve_small.py"), run_name="__main__")
+    namespace = runpy.run_path(str(REPO / "examples" / "serve_small.py"), run_name="__main__")
     printed = capsys.readouterr().out
     assert "vllm.entrypoints.openai.api_server" in printed
     assert printed.count("' -> '") == 2
+    # the float32 checkpoint served in another dtype: one line says the weights are cast
+    log = namespace["server"].log_path.read_text()
+    assert "Attempted to load weight" not in log
+    served = namespace["server"].command[namespace["server"].command.index("--dtype") + 1]
+    assert log.count("weights are cast to") == (0 if served in ("float32", "float") else 1)
 
 
 def test_stock_vllm_refuses_the_compressed_format_naming_the_plugin(checkpoint, monkeypatch):

@@ -177,6 +177,30 @@ def test_the_plugin_asks_for_amx_where_the_cpu_has_it():
     assert request_amx() is (True if "amx_tile" in cpu_flag_set() & AMX_FLAGS else None)
 
 
+def test_vllms_warning_per_cast_weight_becomes_one_line():
+    """vLLM's loader warns once per tensor whose dtype differs from the served one (62
+    lines for SmolLM2 in bfloat16); the plugin's filter says it once, naming both dtypes,
+    and lets every other record through."""
+    import logging
+
+    from whisper_modifiers.sparse_serving.vllm_plugin import CastNote
+
+    note = CastNote()
+
+    def record(message, *args):
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, message, args, None)
+
+    cast = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    first = record(cast, "model.embed_tokens.weight", torch.float32, torch.bfloat16)
+    assert note.filter(first)
+    assert first.getMessage() == ("the checkpoint's float32 weights are cast to bfloat16 as "
+                                  "they load (vLLM's --dtype); this is said once for all of "
+                                  "them")  # fmt: skip
+    assert not note.filter(record(cast, "lm_head.weight", torch.float32, torch.bfloat16))
+    other = record("Loading weights took %.2f seconds", 1.5)
+    assert note.filter(other) and other.getMessage() == "Loading weights took 1.50 seconds"
+
+
 def test_missing_ops_stop_the_probe(tmp_path):
     config = quantized_checkpoint(tmp_path / "ckpt")
     python, log = fake_python(

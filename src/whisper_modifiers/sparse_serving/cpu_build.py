@@ -28,7 +28,14 @@ import torch
 
 from whisper_modifiers.sparse_serving.paths import cache_dir
 
-__all__ = ["CPU_OP_NAMESPACE", "KERNEL_SOURCES", "library_path", "load_cpu_kernels"]
+__all__ = [
+    "CPU_OP_NAMESPACE",
+    "KERNEL_SOURCES",
+    "build_key",
+    "library_path",
+    "load_cpu_kernels",
+    "loaded_build_key",
+]
 
 CPU_OP_NAMESPACE = "whisper_sparse24_cpu"
 SOURCE_DIR = Path(__file__).with_name("cpu_kernels")
@@ -48,13 +55,19 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout.splitlines()[0] if done.stdout else compiler
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library built from these sources, for this torch and compiler, lives."""
+@functools.cache
+def build_key(compiler: str) -> str:
+    """What the library is built from: its sources, torch and the compiler (a digest)."""
     digest = hashlib.sha256()
     for name in (*KERNEL_SOURCES, *HEADERS):
         digest.update((SOURCE_DIR / name).read_bytes())
     digest.update(f"{torch.__version__} {_compiler_version(compiler)} {sys.platform}".encode())
-    return cache_dir() / "cpu_kernels" / digest.hexdigest()[:16] / LIBRARY
+    return digest.hexdigest()[:16]
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built from these sources, for this torch and compiler, lives."""
+    return cache_dir() / "cpu_kernels" / build_key(compiler) / LIBRARY
 
 
 def _flags() -> tuple[list[str], list[str]]:
@@ -101,6 +114,12 @@ def _build(compiler: str, target: Path) -> None:
 def _first_error(output: str) -> str:
     lines = [line for line in output.splitlines() if "error" in line.lower()]
     return (lines or output.splitlines() or ["the compiler failed"])[0].strip()
+
+
+def loaded_build_key() -> str | None:
+    """``build_key`` of the library ``load_cpu_kernels`` loads (None without a compiler)."""
+    compiler = _compiler()
+    return None if compiler is None else build_key(compiler)
 
 
 @functools.cache

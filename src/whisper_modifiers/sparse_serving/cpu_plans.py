@@ -1,6 +1,6 @@
 """Where the 2:4 CPU op pays off: a ``CpuPlan`` per layer shape and dtype, measured once per
-CPU, torch, kernel set and thread count, and cached on disk (as ``dispatch_plans`` does for
-GPUs).
+CPU, build of the op (its sources, torch, compiler), kernel set and thread count, and cached
+on disk (as ``dispatch_plans`` does for GPUs).
 
 Two things are measured on a random 2:4 weight of the layer's shape, at each
 ``TOKEN_LADDER`` count: the op's row kernels against its tiled path (which token count the
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from whisper_modifiers.sparse_serving.cpu_build import loaded_build_key
 from whisper_modifiers.sparse_serving.cpu_op import NO_TILES, cpu_isa, sparse24_cpu_linear
 from whisper_modifiers.sparse_serving.format import compress_24
 from whisper_modifiers.sparse_serving.paths import cache_dir
@@ -128,7 +129,7 @@ def cpu_plan(out_features: int, in_features: int, dtype: torch.dtype) -> CpuPlan
             (
                 PLAN_VERSION,
                 _cpu_key(),
-                torch.__version__,
+                loaded_build_key(),
                 cpu_isa(),
                 torch.get_num_threads(),
                 dtype,

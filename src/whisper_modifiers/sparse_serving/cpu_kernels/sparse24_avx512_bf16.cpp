@@ -16,6 +16,9 @@
 namespace whisper_sparse24 {
 namespace {
 
+// Software prefetch, as in sparse24_avx512.cpp: kPrefetchAhead bytes ahead in each row.
+constexpr int64_t kPrefetchAhead = 1024;
+
 // y[t][n + r] for R rows from n and T tokens: each row's kept values and bitmask are walked
 // by a pointer of its own.
 template <int R, int T>
@@ -33,6 +36,12 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, float* y, int64_
   for (int64_t k = 0; k < whole; k += 32) {
     __m512i xv[T];
     for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_si512(x + t * ldx + k);
+    if ((k & 63) == 0) {  // once per cache line (64 inputs) of kept values, per row
+      for (int r = 0; r < R; ++r) {
+        __builtin_prefetch(values[r] + kPrefetchAhead / 2, 0, 3);
+        if ((k & 511) == 0) __builtin_prefetch(masks[r] + 64, 0, 3);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       uint32_t mask;
       std::memcpy(&mask, masks[r], sizeof(mask));

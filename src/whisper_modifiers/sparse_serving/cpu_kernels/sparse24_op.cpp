@@ -3,7 +3,8 @@
 //   whisper_sparse24_cpu::linear(x, compressed, bitmask, bias, in_features, tiled_from)
 //       y = x W^T (+ bias) for a 2:4 W as stored. Below `tiled_from` tokens the row kernels
 //       expand the kept values in registers; from it on (prefill, compute-bound) cache-sized
-//       tiles of W are expanded into a buffer and multiplied by ATen's dense GEMM (oneDNN).
+//       tiles of W are expanded into a buffer and multiplied by ATen's dense GEMM (oneDNN),
+//       in bfloat16 where the kernels are avx512_bf16, else in float32 (tile_dtype).
 //       The dense weight is never held whole.
 //   whisper_sparse24_cpu::decompress(compressed, bitmask, in_features): the dense W (tests).
 //   whisper_sparse24_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
@@ -106,13 +107,21 @@ int64_t tile_rows(int64_t in_features, int64_t element_size, int64_t rows) {
   return std::min(rows, std::max<int64_t>(16, fit));
 }
 
-// x2 W^T + bias in W's dtype, W expanded tile by tile into one reused buffer; ATen's linear
-// adds each tile's bias before its result is rounded.
+// The dtype of the tiles' GEMM: bfloat16 weights are multiplied in bfloat16 only where the
+// kernels are avx512_bf16 (a CPU with a bfloat16 dot product, where oneDNN's bfloat16 GEMM
+// is fast); elsewhere oneDNN emulates it (7x slower than float32 on an AVX2 EPYC), so the
+// tiles are widened to float32, exactly.
+at::ScalarType tile_dtype(at::ScalarType weight) {
+  return weight == at::kBFloat16 && active_isa() == kAvx512Bf16 ? at::kBFloat16 : at::kFloat;
+}
+
+// x2 W^T + bias in tile_dtype, W expanded tile by tile into one reused buffer; ATen's
+// linear adds each tile's bias before its result is rounded.
 at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
                         const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
                         int64_t in_features) {
   const int64_t rows = compressed.size(0);
-  const auto dtype = compressed.scalar_type();
+  const auto dtype = tile_dtype(compressed.scalar_type());
   const at::Tensor x_w = x2.scalar_type() == dtype ? x2 : x2.to(dtype);
   const c10::optional<at::Tensor> bias_w =
       bias.has_value() && bias->defined() ? c10::optional<at::Tensor>(bias->to(dtype))
@@ -127,7 +136,8 @@ at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
     const c10::optional<at::Tensor> part_bias =
         bias_w.has_value() ? c10::optional<at::Tensor>(bias_w->narrow(0, begin, count))
                            : c10::nullopt;
-    y.narrow(1, begin, count).copy_(at::linear(x_w, part, part_bias));
+    const at::Tensor weights = part.scalar_type() == dtype ? part : part.to(dtype);
+    y.narrow(1, begin, count).copy_(at::linear(x_w, weights, part_bias));
   }
   return y;
 }
