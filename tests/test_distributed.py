@@ -20,6 +20,14 @@ import torch
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, REPO
 from distributed_worker import METHODS
 
+# Run alone, after the parallel part of the test command (README: ``-m serial``). In two
+# runs of the whole suite under xdist (two workers), one comparison here saw
+# ``wisp:gamma=auto;gamma_folds=4`` at 2:4 differ between one process and two ranks (one
+# gamma choice: 0.3 % of the masks, perplexity -0.9 % and -1.5 %), a different pair each
+# time; never in a run of this module on its own (4 of 4, one beside two busy loops). The
+# cause is not found yet.
+pytestmark = pytest.mark.serial
+
 WORKER = REPO / "tests" / "distributed_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LAYERWISE = ["--pipeline", "whisper_layerwise"]
