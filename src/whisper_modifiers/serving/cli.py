@@ -71,7 +71,12 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def main(argv=None) -> int:
-    from whisper_modifiers.serving import serve_command, served_model_names, serving_env
+    from whisper_modifiers.serving import (
+        names_the_model,
+        serve_command,
+        served_model_names,
+        serving_env,
+    )
 
     args = parse_args(argv)
     try:
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
         print(f"whisper-serve: error: {error}", file=sys.stderr)
         return 1
     print("+ " + shlex.join(command), flush=True)
-    if not any(arg.split("=")[0] == "--served-model-name" for arg in args.extra):
+    if not names_the_model(args.extra):
         names = served_model_names(args.checkpoint, args.served_model_name)
         aliases = "".join(f" (or {name!r})" for name in names[1:])
         print(f"requests name the model {names[0]!r}{aliases}", flush=True)

@@ -62,6 +62,7 @@ __all__ = [
     "capabilities_line",
     "run_vllm",
     "serve_command",
+    "names_the_model",
     "served_model_names",
     "serving_dtype",
     "serving_env",
@@ -70,6 +71,11 @@ __all__ = [
     "scores_perplexity",
     "vllm_perplexity",
 ]
+
+
+def names_the_model(extra_args) -> bool:
+    """Whether vLLM's own arguments (``extra_args``) give ``--served-model-name``."""
+    return any(arg.split("=")[0] == "--served-model-name" for arg in extra_args)
 
 
 def served_model_names(checkpoint: str | Path, name: str | None = None) -> list[str]:
@@ -107,7 +113,7 @@ def serve_command(
         "--dtype",
         dtype,
     ]
-    if not any(arg.split("=")[0] == "--served-model-name" for arg in extra_args):
+    if not names_the_model(extra_args):
         command += ["--served-model-name", *served_model_names(checkpoint, served_model_name)]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]

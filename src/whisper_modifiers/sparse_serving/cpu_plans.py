@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import threading
 import time
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from whisper_modifiers.sparse_serving.cpu_build import loaded_build_key
 from whisper_modifiers.sparse_serving.cpu_op import NO_TILES, cpu_isa, sparse24_cpu_linear
 from whisper_modifiers.sparse_serving.format import compress_24
-from whisper_modifiers.sparse_serving.paths import cache_dir
+from whisper_modifiers.sparse_serving.paths import cache_dir, write_json_atomically
 
 __all__ = ["TOKEN_LADDER", "CpuPlan", "cpu_plan", "measure_cpu_plan", "plan_from_timings"]
 
@@ -149,9 +148,6 @@ def cpu_plan(out_features: int, in_features: int, dtype: torch.dtype) -> CpuPlan
             plan, timings = measure_cpu_plan(out_features, in_features, dtype)
             stored = json.loads(path.read_text()) if path.is_file() else {}
             stored[key] = {"plan": asdict(plan), "timings": timings}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(stored, indent=1))
-            os.replace(partial, path)
+            write_json_atomically(path, stored)
         _known[key] = plan
         return plan
