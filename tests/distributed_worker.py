@@ -40,7 +40,7 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import whisper_modifiers.modifiers.sequence_pairs as sequence_pairs
+    import whisper_modifiers.modifiers.pairing as pairing_module
     from whisper_modifiers.data import calibration_dataset
     from whisper_modifiers.evaluation import perplexity
     from whisper_modifiers.methods import build_recipe, run_oneshot
@@ -49,7 +49,7 @@ def main() -> int:
     distributed.init_from_torchrun()
     rank = distributed.rank()
     pairs = {}
-    drawn = sequence_pairs.pair_permutations
+    drawn = pairing_module.pair_permutations
 
     def recording(seq_len, num_permutations, seed):
         permutations = drawn(seq_len, num_permutations, seed)
@@ -58,7 +58,7 @@ def main() -> int:
             raise RuntimeError(f"rank {rank} failed on purpose")
         return permutations
 
-    sequence_pairs.pair_permutations = recording
+    pairing_module.pair_permutations = recording
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:100_000]
     dataset = calibration_dataset(tokenizer, text, args.num_sequences, 64, seed=0)

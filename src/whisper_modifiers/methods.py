@@ -10,8 +10,8 @@ from __future__ import annotations
 from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
 
 from whisper_modifiers.modifiers import PIPELINE_NAME, REGISTRY, distributed
+from whisper_modifiers.modifiers.baselines import sequence_sum_baseline
 from whisper_modifiers.modifiers.layerwise_pipeline import check_attention_variable
-from whisper_modifiers.modifiers.sequence_sums import sequence_sum_baseline
 
 __all__ = [
     "BASELINE_OF",
@@ -67,7 +67,7 @@ def run_oneshot(model, tokenizer, dataset, recipe, batch_size: int = 1, **kwargs
     (``distributed.init_from_torchrun``) each rank calibrates its contiguous shard
     (``distributed.shard_bounds``), the statistics are summed across ranks and each module
     is solved on one rank. llmcompressor's own Wanda and SparseGPT modifiers in a modifier
-    list are swapped for ``sequence_sums.sequence_sum_baseline``'s (the same solvers over
+    list are swapped for ``baselines.sequence_sum_baseline``'s (the same solvers over
     statistics that do not depend on batch size or ranks), so that a baseline and our
     method at its baseline's gamma are the same arithmetic."""
     from llmcompressor import oneshot

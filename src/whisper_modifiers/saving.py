@@ -9,7 +9,9 @@
   ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) are packed back into the family's
   fused experts for the save (``packed_experts``) and stay dense there. whisper-prune
   calls it inside its partial directory.
-* ``install_compressed_save``: our pruning modifiers call it when they finalize. It wraps
+* ``install_compressed_save``: installed when llmcompressor's lifecycle finalizes a recipe
+  with one of our pruning modifiers (``save_compressed_after``, which the package's
+  entry calls with ``modifiers.REGISTRY``'s classes). It wraps
   the model's ``save_pretrained`` (llmcompressor's own wrapper, which ``oneshot`` installs
   first) so that saving with ``save_compressed=True`` (llmcompressor's default) writes
   ``write_checkpoint``'s checkpoint into a locked partial directory renamed into place
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import weakref
 from pathlib import Path
 
@@ -35,14 +36,15 @@ import torch
 from loguru import logger
 
 from whisper_modifiers import checkpoint
+from whisper_modifiers.modifiers.moe_routing import MOE_EXPERT
 from whisper_modifiers.output_dir import check_output_dir, partial_output
 from whisper_modifiers.sparse_serving.format import check_two_four
 from whisper_modifiers.sparse_serving.layout import write_sparse24
 
 __all__ = [
-    "MOE_EXPERT",
     "gamma_selection",
     "install_compressed_save",
+    "save_compressed_after",
     "llmcompressor_save",
     "packs_weights",
     "prunes_two_four",
@@ -52,9 +54,6 @@ __all__ = [
 ]
 
 _INSTALLED = "_whisper_modifiers_save"  # the attribute our wrapper carries
-# an MoE expert as llmcompressor exposes it (mlp.experts.N.gate_proj): saved in the
-# family's fused experts (``packed_experts``), dense
-MOE_EXPERT = re.compile(r".*\.experts\.\d+\.")
 
 
 def two_four_layers(model, modifiers: list) -> list[str]:
@@ -220,6 +219,30 @@ def install_compressed_save(model, modifiers: list) -> None:
     state["inner"] = inner
     setattr(save_pretrained, _INSTALLED, state)
     model.save_pretrained = save_pretrained
+
+
+def save_compressed_after(pruners: tuple[type, ...]) -> None:
+    """From now on, when llmcompressor's lifecycle finalizes a recipe that holds one of
+    ``pruners`` (this package's pruning modifiers), ``install_compressed_save`` on its
+    model; a recipe of stock modifiers alone is left as it is. Installing again does
+    nothing."""
+    from llmcompressor.core.lifecycle import CompressionLifecycle
+
+    finalize = CompressionLifecycle.finalize
+    if getattr(finalize, _INSTALLED, False):
+        return
+
+    @functools.wraps(finalize)
+    def finalize_then_install(lifecycle, **kwargs):
+        data = finalize(lifecycle, **kwargs)
+        modifiers = lifecycle.recipe.modifiers
+        model = lifecycle.state.model if lifecycle.state is not None else None
+        if model is not None and any(isinstance(modifier, pruners) for modifier in modifiers):
+            install_compressed_save(model, modifiers)
+        return data
+
+    setattr(finalize_then_install, _INSTALLED, True)
+    CompressionLifecycle.finalize = finalize_then_install
 
 
 def llmcompressor_save(model):

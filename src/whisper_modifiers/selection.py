@@ -1,7 +1,8 @@
 """Choosing gamma per module (``gamma: auto``), as pure torch functions.
 
 The paper fixes ``gamma = 0.01`` (tuned on 7B+ models) and leaves "optimizing gamma per
-model or per layer" open.  At small scale that default loses to SparseGPT (README), so
+model or per layer" open.  At small scale that default loses to SparseGPT
+(benchmarks/results), so
 ``gamma: auto`` picks gamma per difference module from a few candidates by what the
 pruned module does to **held-out** calibration sequences:
 
@@ -31,7 +32,7 @@ sequence's error is ``mean_t ||e_t||^2 / ||y_t||^2`` against the dense output ``
 
 The largest candidate is the reference: gamma = 1 is the baseline (SparseGPT / Wanda).
 A few held-out sequences measure the other candidates noisily, and a layer that leaves
-the baseline on noise makes the whole model worse than the baseline (measured: README).
+the baseline on noise makes the whole model worse than the baseline (benchmarks/results).
 So a candidate displaces the reference only on evidence: its mean per-sequence error,
 over every measured sequence of every fold, must be lower by more than
 ``gamma_evidence`` standard errors of the paired per-sequence difference (default 2, a
@@ -92,7 +93,7 @@ def sequence_error(error: torch.Tensor, dense: torch.Tensor, criterion: str) -> 
     * ``"relative"``: ``mean_t ||e_t||^2 / ||y_t||^2``, each token's error against the
       size of the output it perturbs.  A few massive-activation tokens (attention sinks)
       can carry almost all of a layer's squared error while their huge hidden states
-      hardly notice it; the relative error does not let them decide (README).
+      hardly notice it; the relative error does not let them decide (benchmarks/results).
     """
     squared = error.square().sum(dim=-1, dtype=torch.float64)
     if criterion == "absolute":

@@ -22,6 +22,7 @@ not depend on batch size or ranks; nothing here imports llmcompressor.
   "Sampling approach details".
 * ``scaled_sequence_means`` -- ``sqrt(s) x_bar`` per sequence, from which the centered
   statistics of the appendix "Centering" follow: ``X_c X_c^T = X X^T - s x_bar x_bar^T``.
+* ``centered`` -- the centered statistic from those means.
 * ``mapping_difficulty`` -- the per-neuron diagnostic of the appendix "Mapping
   difficulty definition".
 """
@@ -279,6 +280,17 @@ def scaled_sequence_means(x: torch.Tensor) -> torch.Tensor:
     """
     x = _as_sequences(x).to(STATISTICS_DTYPE)
     return x.mean(dim=1, keepdim=True) * math.sqrt(x.shape[1])
+
+
+def centered(uncentered: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
+    """The centered statistic of the appendix "Centering": ``X_c X_c^T = X X^T - s x_bar
+    x_bar^T`` (``uncentered`` less the mean of ``scaled_sequence_means``' Grams), or its
+    diagonal ``||X_c,j||^2``; diagonal entries clamped at 0 (rounding)."""
+    result = uncentered - correction.to(uncentered.device)
+    if result.dim() == 1:
+        return result.clamp_min(0)
+    result.diagonal().clamp_(min=0)
+    return result
 
 
 def mapping_difficulty(weight: torch.Tensor, differences: torch.Tensor) -> torch.Tensor:

@@ -2,19 +2,14 @@ from whisper_modifiers.modifiers.base import DEFAULT_DIFFERENCE_TARGETS, Differe
 from whisper_modifiers.modifiers.layerwise_pipeline import PIPELINE_NAME, LayerwisePipeline
 from whisper_modifiers.modifiers.magnitude import OneShotMagnitudeModifier
 from whisper_modifiers.modifiers.masked_gptq import MaskedGPTQModifier
+from whisper_modifiers.modifiers.ria import RIAModifier, RIAWispModifier, RIAWispPlusModifier
 from whisper_modifiers.modifiers.validation import check_mask_kept
 from whisper_modifiers.modifiers.whisper import (
     ALPSModifier,
     ALPSWhisperModifier,
     WhisperModifier,
 )
-from whisper_modifiers.modifiers.wisp import (
-    RIAModifier,
-    RIAWispModifier,
-    RIAWispPlusModifier,
-    WispModifier,
-    WispPlusModifier,
-)
+from whisper_modifiers.modifiers.wisp import WispModifier, WispPlusModifier
 
 # The modifiers of this package, by method name: the one list. The package registers them
 # (with MaskedGPTQModifier) with llmcompressor; methods.py adds llmcompressor's Wanda and

@@ -1,184 +1,158 @@
-"""Routing shared by the difference-informed modifiers.
+"""What Wisp, Wisp+ and Whisper share: llmcompressor's ``SparsityModifierBase`` plus the
+parts a difference modifier holds:
 
-``DifferencePruningBase`` adds to llmcompressor's ``SparsityModifierBase``:
+* its statistics (``calibration_statistics``): float64 sums per module, reduced across
+  ranks before each layer is solved;
+* its pairing (``pairing``): differences within each calibration sequence, or within
+  each sequence's tokens routed to an MoE expert, or the centered form;
+* under ``gamma: auto``, its selection (``gamma_auto``, with its ``model_check``).
 
-* ``difference_targets`` -- which of the targeted Linear modules get the difference
-  statistic (default: the MLP gate and up projections, paper Section 3); every other
-  targeted module is pruned by the parent's standard method inside the same modifier;
-* seeded pairwise differences formed within each calibration sequence (the
-  ``SequencePairs`` mixin of ``sequence_pairs.py``; for an MoE expert, within each
-  sequence's tokens routed to it: ``RoutedPairs``, ``moe_routing``);
-* the causal mask llmcompressor's sequential pipeline loses for some families
-  (``causal_mask``);
-* ``gamma`` and its per-module choice ``gamma: auto`` (the ``GammaAuto`` mixin of
-  ``gamma_auto.py``);
-* input validation before any calibration work;
-* module names without llmcompressor 0.14's trailing dot, so that ``ignore: ["lm_head"]``
-  and ``$``-anchored regexes match what users expect.
+``difference_targets`` routes each pruned module to the difference statistic or to the
+parent's standard method inside the same modifier (``targets``). A method subclass
+implements ``calibrate_module``, ``compress_modules`` and ``candidate_weight``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
-from compressed_tensors.utils import match_named_modules, match_targets
+from compressed_tensors.utils import match_named_modules
 from llmcompressor.core import Event, State
-from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import (
-    PRUNABLE_LAYER_TYPES,
-    SparsityModifierBase,
-)
+from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import SparsityModifierBase
 from loguru import logger
 from pydantic import Field, PrivateAttr, model_validator
 
+from whisper_modifiers.modifiers.calibration_statistics import CalibrationStatistics
 from whisper_modifiers.modifiers.causal_mask import watch_causal_masks
-from whisper_modifiers.modifiers.compressed_save import CompressedSave
 from whisper_modifiers.modifiers.distributed import sequence_offset
 from whisper_modifiers.modifiers.gamma_auto import GammaAuto
-from whisper_modifiers.modifiers.moe_routing import MoERouting
-from whisper_modifiers.modifiers.routed_pairs import RoutedPairs
-from whisper_modifiers.modifiers.sequence_pairs import SequencePairs
-from whisper_modifiers.modifiers.sequence_sums import SequenceSumCalibration
+from whisper_modifiers.modifiers.pairing import Pairing
+from whisper_modifiers.modifiers.targets import (
+    DEFAULT_DIFFERENCE_TARGETS,
+    DEFAULT_IGNORE,
+    pruned_modules,
+    select_difference_modules,
+)
 from whisper_modifiers.modifiers.validation import (
-    SparsityValidation,
+    MaskStructure,
+    Sparsity,
     check_finite_activations,
     check_mask_kept,
-    check_structure_divides,
-    parse_mask_structure,
+    check_sparsity_fields,
 )
 
-__all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DEFAULT_IGNORE", "DifferencePruningBase"]
+__all__ = ["DEFAULT_DIFFERENCE_TARGETS", "DEFAULT_IGNORE", "DifferencePruningBase", "Gamma"]
 
-# the gate and up inputs of every gated MLP in transformers' families: separate (Llama,
-# Qwen, Mistral, Gemma, ...) or fused into one Linear (Phi-3's gate_up_proj, Granite's
-# shared input_linear: the same inputs, so the same statistic), LFM2's w1 / w3, MoE experts
-# as llmcompressor runs them (experts.N.gate_proj) and shared experts; never a router
-DEFAULT_DIFFERENCE_TARGETS = [
-    r"re:.*((mlp|feed_forward|experts\.\d+|shared_experts?)\.(gate_proj|up_proj|gate_up_proj|w1|w3)"
-    r"|shared_mlp\.input_linear)$"
-]
-# MoE routers and shared-expert gates stay dense by default where they are Linears
-# (Qwen2-MoE's shared_expert_gate; mlp.gate and router.layer in earlier transformers)
-DEFAULT_IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*router(\.layer)?$", r"re:.*_expert_gate$"]
+Gamma = Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"]
+"""A mixing weight in [0, 1], or ``"auto"``: chosen per module (``gamma_auto``)."""
 
 
-class DifferencePruningBase(
-    GammaAuto,
-    SequencePairs,
-    RoutedPairs,
-    SparsityValidation,
-    CompressedSave,
-    SequenceSumCalibration,
-    SparsityModifierBase,
-):
-    """Fields and routing common to Wisp, Wisp+ and Whisper (see those classes).
+class DifferencePruningBase(SparsityModifierBase):
+    """Fields common to Wisp, Wisp+ and Whisper; each is described in docs/fields.md.
 
-    :param difference_targets: module-name patterns (``re:`` prefix for a regex, as in
-        llmcompressor's ``targets``/``ignore``) that get the difference statistic; ``[]``
-        turns every module into the standard method.  Each pattern must match at least
-        one targeted module. The default reaches the gate and up inputs of the gated MLPs
-        of transformers' families, MoE experts and shared experts included
-        (docs/families.md).
-    :param seed: seed of the pair permutations; the same seed gives the same masks.
-    :param num_permutations: independent permutations per calibration sequence (the
-        paper's ``N = k s`` pairs, Appendix "Sampling approach details"); 1 suffices.
-    :param pairing: ``"random"`` (seeded permutations, the paper's default),
-        ``"nearest"`` (each token paired with its nearest other token of the sequence,
-        appendix "Sampling approach details") or ``"centered"`` (the deterministic
-        second-moment form of random pairing, appendix "Centering": ``||X_c,j||`` for
-        Wisp, ``H_c = X_c X_c^T`` for Whisper; not defined for Wisp+).
-    :param ignore: as llmcompressor's, but defaults to ``DEFAULT_IGNORE``: the LM head
-        (the paper does not prune it, and tied embeddings would be pruned with it) and the
-        MoE routers and shared-expert gates that are Linears in some families.
-    :param gamma: weight of the standard statistic in the mixture with the difference
-        statistic (see each method), or ``"auto"``: chosen per difference module from
-        ``gamma_candidates`` by the held-out error of ``selection`` (a gated MLP's gate
-        and up projections share one choice); the choices are in ``gamma_selection()``
-        and in whisper-prune's ``sparsity_record.json``.
-    :param gamma_candidates: the values ``"auto"`` chooses from (default: the method's
-        ``GAMMA_CANDIDATES``); only with ``gamma: auto``.
-    :param holdout_every: with ``gamma: auto``, the calibration sequences fall in
-        ``holdout_every`` folds (global index ``i`` in fold ``i % holdout_every``); a
-        measured fold is held out to measure the candidates, then joins the statistics
-        for the final solve.
-    :param gamma_folds: with ``gamma: auto``, how many folds are measured, the last
-        first: 1 holds out every ``holdout_every``-th sequence once; ``holdout_every``
-        is k-fold cross-validation, every sequence measured once. The measured tokens
-        stay one fold's (every ``gamma_folds``-th token of each held-out sequence,
-        ``selection.held_out_tokens``); each more fold costs one more solve per
-        candidate, and keeps one more fold of the layer's inputs (on the CPU) and one
-        more set of its difference statistics until the layer is solved.
-    :param gamma_evidence: with ``gamma: auto``, how many standard errors of the paired
-        per-held-out-sequence difference a candidate's mean error must beat the largest
-        candidate's (the baseline's, gamma 1) by to be chosen over it; ``0`` picks the
-        least error (``selection.choose_gamma``).
-    :param gamma_criterion: with ``gamma: auto``, a held-out sequence's error:
-        ``"relative"`` (each token's output error against its dense output's squared
-        norm, averaged over tokens) or ``"absolute"`` (squared errors summed over tokens);
-        ``selection.sequence_error``.
-    :param gamma_model_check: with ``gamma: auto``, the layers whose gamma was chosen
-        other than the reference (gamma 1) are solved and propagated at the reference, so
-        the model after the last layer is the baseline's; the chosen weights are swapped
-        in only if they lower the held-out sequences' language-model loss by more than
-        ``gamma_evidence`` standard errors (``model_check``). ``False``: each layer keeps
-        its choice at once.
+    ``difference_targets`` (module patterns given the difference statistic; the default
+    reaches the gate and up projections of gated MLPs, MoE experts included), ``seed``,
+    ``num_permutations`` and ``pairing`` (the pairs, paper Section 3.1 and appendix
+    "Sampling approach details"), ``gamma`` (the mixture with the standard statistic, or
+    ``"auto"``) and ``gamma: auto``'s ``gamma_candidates``, ``holdout_every``,
+    ``gamma_folds``, ``gamma_evidence``, ``gamma_criterion`` and ``gamma_model_check``;
+    ``ignore`` defaults to the LM head and MoE routers.
     """
 
+    GAMMA_CANDIDATES: ClassVar[tuple[float, ...]] = ()
+
+    sparsity: Sparsity
+    mask_structure: MaskStructure = "0:0"
     difference_targets: list[str] = Field(default_factory=lambda: list(DEFAULT_DIFFERENCE_TARGETS))
     seed: int = Field(default=0, ge=0)
     num_permutations: int = Field(default=1, ge=1)
     pairing: Literal["random", "nearest", "centered"] = "random"
     ignore: list[str] = Field(default_factory=lambda: list(DEFAULT_IGNORE))
+    gamma: Gamma = 0.0
+    gamma_candidates: list[Annotated[float, Field(ge=0.0, le=1.0)]] | None = None
+    holdout_every: int = Field(default=4, ge=2)
+    gamma_folds: int = Field(default=1, ge=1)
+    gamma_evidence: float = Field(default=2.0, ge=0.0)
+    gamma_criterion: Literal["relative", "absolute"] = "relative"
+    gamma_model_check: bool = True
 
+    _statistics: CalibrationStatistics = PrivateAttr(default_factory=CalibrationStatistics)
+    _pairs: Pairing | None = PrivateAttr(default=None)
+    _gamma_auto: GammaAuto | None = PrivateAttr(default=None)
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
     _calibrated: set[torch.nn.Module] = PrivateAttr(default_factory=set)
 
     @model_validator(mode="after")
-    def _validate_pairing(self):
+    def _validate_fields(self):
+        check_sparsity_fields(self)
         if self.pairing != "random" and self.num_permutations != 1:
             raise ValueError(
                 f"num_permutations applies to pairing 'random' only; pairing "
                 f"{self.pairing!r} takes num_permutations: 1"
             )
+        if self.gamma_candidates is not None:
+            if self.gamma != "auto":
+                raise ValueError(
+                    f"gamma_candidates applies to gamma 'auto' only; gamma is {self.gamma!r}"
+                )
+            if not self.gamma_candidates or len(set(self.gamma_candidates)) < len(
+                self.gamma_candidates
+            ):
+                raise ValueError(
+                    f"gamma_candidates must be a non-empty list of distinct values in "
+                    f"[0, 1], got {self.gamma_candidates}"
+                )
+        if self.gamma_folds > self.holdout_every:
+            raise ValueError(
+                f"gamma_folds must be between 1 and holdout_every ({self.holdout_every}), "
+                f"got {self.gamma_folds}"
+            )
         return self
 
-    def on_initialize(self, state: State, **kwargs) -> bool:
-        check_mask_kept()  # this session's recipe
-        self._gamma_record = dict()
-        return super().on_initialize(state, **kwargs)
-
-    # -- routing ---------------------------------------------------------------------
-
-    def pruned_modules(self, target_layers: dict[str, torch.nn.Module]) -> list[tuple]:
-        """``(name, module, sparsity)`` of every module this modifier prunes inside
-        ``target_layers`` (llmcompressor's selection, with clean names)."""
-        modules = []
-        for index, (layer_name, layer) in enumerate(target_layers.items()):
-            sparsity = self.sparsity[index] if isinstance(self.sparsity, list) else self.sparsity
-            for name, module in match_named_modules(layer, PRUNABLE_LAYER_TYPES):
-                name = f"{layer_name}.{name}" if name else layer_name
-                if isinstance(module, torch.nn.Embedding) or match_targets(
-                    name, module, self.ignore
-                ):
-                    continue
-                modules.append((name, module, sparsity))
-        n, m = parse_mask_structure(self.mask_structure)
-        check_structure_divides([(name, module) for name, module, _ in modules], n, m)
-        return modules
+    # -- checks before any work --------------------------------------------------------
 
     def check_difference_targets(self, model: torch.nn.Module) -> list[str]:
         """Resolve ``difference_targets`` against ``model`` (a meta-device model will do:
         only names and types are read) before any calibration; raises the same errors as
         calibration would. Returns the names of the difference modules."""
-        modules = self.pruned_modules(dict(match_named_modules(model, self.targets)))
-        selected = self._select_difference_modules(modules)
+        modules = self._pruned_modules(dict(match_named_modules(model, self.targets)))
+        selected = select_difference_modules(modules, self.difference_targets)
         return [name for name, module, _ in modules if module in selected]
+
+    def check_calibration_size(self, num_sequences: int) -> None:
+        """Refuse ``gamma: auto`` on fewer sequences than one held out (before any work)."""
+        if self.gamma == "auto" and self.difference_targets and num_sequences < self.holdout_every:
+            raise ValueError(
+                f"gamma 'auto' holds out every {self.holdout_every}th calibration sequence "
+                f"(holdout_every) and needs at least {self.holdout_every} sequences; got "
+                f"{num_sequences}"
+            )
+
+    def _pruned_modules(self, target_layers: dict) -> list[tuple]:
+        return pruned_modules(target_layers, self.sparsity, self.ignore, self.mask_structure)
+
+    # -- calibration -------------------------------------------------------------------
+
+    def on_initialize(self, state: State, **kwargs) -> bool:
+        check_mask_kept()  # this session's recipe
+        self._statistics = CalibrationStatistics(getattr(self, "offload_hessians", False))
+        self._pairs = Pairing(self.pairing, self.seed, self.num_permutations,
+                              self._module_names, type(self).__name__)  # fmt: skip
+        self._gamma_auto = None
+        if self.gamma == "auto":
+            self._gamma_auto = GammaAuto(
+                self, list(self.gamma_candidates or self.GAMMA_CANDIDATES), self._module_names,
+                self.holdout_every, self.gamma_folds, self.gamma_evidence,
+                self.gamma_criterion, self.gamma_model_check,
+            )  # fmt: skip
+        return super().on_initialize(state, **kwargs)
 
     def on_calibration_start(self, state: State, event: Event, **kwargs):
         """Register the calibration hooks (llmcompressor's loop, with clean names)."""
-        modules = self.pruned_modules(self._target_layers)
-        self._difference_modules = self._select_difference_modules(modules)
+        modules = self._pruned_modules(self._target_layers)
+        self._difference_modules = select_difference_modules(modules, self.difference_targets)
         for name, module, sparsity in modules:
             if name.endswith("lm_head"):
                 logger.warning(
@@ -188,12 +162,17 @@ class DifferencePruningBase(
             self._module_names[module] = name
             self._module_sparsities[module] = sparsity
             self.register_hook(module, self._calibrate_finite, "forward")
-        self.find_gated_mlps(state.model, modules)
-        self.watch_routing(state.model, [(n, m) for n, m, _ in modules
-                                         if m in self._difference_modules])  # fmt: skip
+        differences = [(n, m) for n, m, _ in modules if m in self._difference_modules]
+        refused = {
+            "gamma: auto": self.gamma == "auto",
+            "pairing: centered": self.pairing == "centered",
+        }
+        self._pairs.watch_routing(state.model, differences, self.register_hook, refused)
         watch_causal_masks(state.model, self.register_hook)
-        if self.gamma == "auto":
-            self.watch_propagation(state.model)  # model_check
+        if self._gamma_auto is not None:
+            self._gamma_auto.find_gated_mlps(state.model, modules)
+            if self._gamma_auto.model_check is not None:
+                self._gamma_auto.model_check.watch_propagation(state.model)
         logger.info(
             f"{type(self).__name__}: difference statistic on "
             f"{len(self._difference_modules)} of {len(modules)} modules"
@@ -202,63 +181,93 @@ class DifferencePruningBase(
     def _calibrate_finite(self, module, args, output):
         """``calibrate_module``, after refusing NaN or inf inputs (every module, routed
         to the difference statistic or to the standard method). With ``gamma: auto`` the
-        held-out sequences of a difference module are also kept (``selection``)."""
+        held-out sequences of a difference module are also kept (``gamma_auto``)."""
         x = args[0]
         check_finite_activations(self._module_names[module], x)
         first = self._sequences_seen.get(module, sequence_offset())  # global index
-        if module in self._routing:  # the MoE block's batch, flattened
-            count = self._routing.batch_size(module)
-        else:
-            count = x.shape[0] if x.dim() == 3 else 1
-        rows = list(range(first, first + count))
+        rows = list(range(first, first + self._pairs.batch_size(module, x)))
         self._sequences_seen[module] = rows[-1] + 1
         self._calibrated.add(module)
-        if self.gamma == "auto" and self.is_difference_module(module):
-            self.hold_out(module, x, rows)
-        self._rows = rows
+        if self._gamma_auto is not None and self.is_difference_module(module):
+            self._gamma_auto.hold_out(module, x, rows)
+        self._pairs.rows = rows
         return self.calibrate_module(module, args, output)
 
-    def _select_difference_modules(self, modules) -> set[torch.nn.Module]:
-        selected = set()
-        for pattern in self.difference_targets:
-            matched = [(n, m) for n, m, _ in modules if match_targets(n, m, [pattern])]
-            if not matched:
-                examples = ", ".join(n for n, _, _ in modules[:8]) or "(none)"
-                raise ValueError(
-                    f"difference_targets pattern {pattern!r} matches none of the "
-                    f"{len(modules)} modules this modifier prunes; some of them: "
-                    f"{examples}. Use 're:' for a regex; the default, "
-                    f"{DEFAULT_DIFFERENCE_TARGETS[0]!r}, reaches the gate and up "
-                    "projections of the gated MLPs (MoE experts included) of transformers' "
-                    "families"
-                )
-            for name, module in matched:
-                if not isinstance(module, torch.nn.Linear):
-                    raise ValueError(
-                        f"difference_targets pattern {pattern!r} matches {name}, a "
-                        f"{type(module).__name__}; the difference statistics are defined "
-                        "for torch.nn.Linear only"
-                    )
-                selected.add(module)
-        return selected
+    def calibrate_held_out(self, module: torch.nn.Module, batch: torch.Tensor, row: int):
+        """``calibrate_module`` on one held-out sequence again (``gamma_auto``)."""
+        self._pairs.rows = [row]
+        self.calibrate_module(module, (batch,), None)
+
+    def swap_statistics(self, statistics: CalibrationStatistics) -> CalibrationStatistics:
+        held, self._statistics = self._statistics, statistics
+        return held
 
     def is_difference_module(self, module: torch.nn.Module) -> bool:
         return module in self._difference_modules
 
+    # -- solving -------------------------------------------------------------------------
+
+    def gamma_of(self, module: torch.nn.Module) -> float:
+        """The gamma ``module`` is solved with: ``gamma`` or its choice under ``auto``; 1
+        (the standard statistic alone) outside ``difference_targets``."""
+        if not self.is_difference_module(module):
+            return 1.0
+        return self._gamma_auto.chosen[module] if self._gamma_auto is not None else self.gamma
+
+    def reduce_and_select(self) -> None:
+        """Reduce the statistics across ranks; under ``gamma: auto``, choose this layer's
+        gammas first (``GammaAuto.reduce_and_select``)."""
+        if self._gamma_auto is None or not self._difference_modules:
+            return self._statistics.reduce(self._module_names)
+        self._gamma_auto.reduce_and_select(self._statistics, self._calibrated)
+
+    def candidate_weight(self, module: torch.nn.Module, gamma: float) -> torch.Tensor:
+        """``module``'s pruned weight at ``gamma`` from the statistics held now, which
+        stay as they are (each method's solver)."""
+        raise NotImplementedError
+
+    def candidate_weights(self, group: list, gammas: list[float]) -> list[dict]:
+        """Per gamma, ``{module: pruned weight}`` for the modules of ``group`` (one
+        ``candidate_weight`` each; a method may solve them together)."""
+        return [{module: self.candidate_weight(module, gamma) for module in group}
+                for gamma in gammas]  # fmt: skip
+
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
-        self._last_input = self._last_differences = None  # release the layer's last batch
-        self.log_routing_skips()
-        super().on_sequential_epoch_end(state, event, **kwargs)
+        self._pairs.end_layer()
+        solved = set(self._calibrated)
+        if self._gamma_auto is not None:
+            self._gamma_auto.end_layer_inputs()
+        super().on_sequential_epoch_end(state, event, **kwargs)  # compress_modules
+        if self._gamma_auto is not None and self._gamma_auto.model_check is not None:
+            self._gamma_auto.model_check.watch_layer_propagation(solved)
         self._calibrated = set()
 
-    def _reset_routing(self):
-        self._difference_modules = set()
-        self._sequences_seen = dict()
-        self._pair_sources = dict()
-        self._last_input = None
-        self._last_differences = None
-        self._centering = dict()
-        self._rows = []
-        self._calibrated = set()
-        self._routing = MoERouting()
-        self._reset_gamma_auto()
+    def on_calibration_end(self, state: State, event: Event, **kwargs):
+        """After the last layer: ``gamma: auto``'s model check (``model_check``)."""
+        if self._gamma_auto is not None and self._gamma_auto.model_check is not None:
+            self._gamma_auto.model_check.check_model(state.model, state.data.calib)
+        super().on_calibration_end(state, event, **kwargs)
+
+    # -- after the run -------------------------------------------------------------------
+
+    def gamma_selection(self) -> dict[str, dict]:
+        """Under ``gamma: auto``, per difference module: the chosen ``gamma`` and each
+        candidate's ``held_out_error``; kept after the run (empty otherwise)."""
+        record = self._gamma_auto.record if self._gamma_auto is not None else {}
+        return {name: dict(choice) for name, choice in record.items()}
+
+    def routing_skips(self) -> dict[str, tuple[int, int]]:
+        """``{expert module: (sequences with fewer than 2 routed tokens, sequences)}`` of
+        the last calibration (the modules that drew the pairs: an expert's gate)."""
+        return self._pairs.routing_skips() if self._pairs is not None else {}
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        if len(self._statistics):
+            raise ValueError(f"Failed to compress {len(self._statistics)} modules")
+        if self._gamma_auto is not None:
+            self._gamma_auto.release()  # keeps the record
+        if self._pairs is not None:
+            self._pairs.release()  # keeps the routing skips
+        self._statistics = CalibrationStatistics()
+        self._difference_modules, self._sequences_seen, self._calibrated = set(), {}, set()
+        return super().on_finalize(state, **kwargs)

@@ -5,8 +5,8 @@ Each rank calibrates a contiguous shard of the calibration sequences (``shard_bo
 llmcompressor's partition formula); ``calibration_shard`` tells the modifiers where their
 shard starts, so that the pairs of sequence ``i`` are seeded by its global index ``i``
 whatever the number of ranks. The statistics are float64 sums over sequences
-(``sequence_sums.SequenceSumCalibration``), so before solving a layer they are summed
-across ranks and turned into the float32 means the solvers take (``reduce_statistics``):
+(``calibration_statistics``), so before solving a layer they are summed across ranks and
+turned into the float32 means the solvers take (``CalibrationStatistics.reduce``):
 the result is the one-process result, bit for bit. Each module is solved on one rank
 (``solve_on_owners``, compressed-tensors' ``greedy_bin_packing`` by weight size) and its
 pruned weight broadcast from there.
@@ -24,37 +24,21 @@ import torch.distributed as dist
 from compressed_tensors.distributed import greedy_bin_packing
 from compressed_tensors.utils import align_module_device, update_offload_parameter
 
-from whisper_modifiers.statistics import STATISTICS_DTYPE, SUM_DTYPE, mean_over_sequences
+from whisper_modifiers.statistics import SUM_DTYPE
 
 __all__ = [
-    "SEQUENCE_SUMS",
-    "SUM_STATISTICS",
     "all_reduce_sum",
     "calibration_shard",
     "finish",
     "init_from_torchrun",
     "is_distributed",
     "rank",
-    "reduce_statistics",
     "sequence_offset",
     "shard_bounds",
     "solve_on_owners",
+    "sum_over_ranks",
     "world_size",
 ]
-
-SEQUENCE_SUMS = (
-    ("_row_scalars", "_num_samples", 1.0),  # Wanda's ||X_j||^2 (Wisp's ||dX_j||^2)
-    ("_hessians", "_num_samples", 2.0),  # SparseGPT's H = (2 / N) X X^T
-    ("_difference_hessians", "_difference_samples", 2.0),  # Whisper's H_Delta
-    ("_plain_norms", "_plain_counts", 1.0),  # gamma-regularised Wisp / Wisp+'s ||X_j||^2
-)
-"""``(statistic dict, count dict, scale)`` attributes of modifiers that sum a statistic
-over sequences in float64; the solvers take ``scale * sum / count`` in float32. A count
-dict is reduced once, after every statistic that uses it."""
-
-SUM_STATISTICS = ("_neuronwise_sums", "_difficulty_sums")  # Wisp+, counted by:
-SUM_COUNTS = "_neuronwise_counts"
-CENTERING = "_centering"  # module -> (float64 sum of s x_bar x_bar^T, count)
 
 _offset = 0
 
@@ -136,18 +120,12 @@ def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _sum_over_ranks(total: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+def sum_over_ranks(total: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
     """A float64 sum over ranks (a rank that summed nothing adds zeros of ``shape``)."""
     if not is_distributed():
         return total
     local = torch.zeros(shape, dtype=SUM_DTYPE) if total is None else total.to(SUM_DTYPE)
     return _all_reduce(local.clone())
-
-
-def _count_over_ranks(count: int) -> int:
-    if not is_distributed():
-        return count
-    return int(_all_reduce(torch.tensor([count], dtype=torch.float64)).item())
 
 
 def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
@@ -159,80 +137,20 @@ def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
     return float(_all_reduce(torch.tensor([value], dtype=torch.float64)).item())
 
 
-def reduce_statistics(modifier) -> None:
-    """Sum every per-module statistic of ``modifier`` over ranks (float64; nothing to sum
-    in one process) and replace it by what the solvers take: ``scale * sum / count`` in
-    float32 for ``SEQUENCE_SUMS`` and the centering terms, the float32 sum for Wisp+'s
-    ``SUM_STATISTICS``. Call it once per set of statistics, before solving. Modules are
-    visited in registration order, which every rank shares."""
-    order = list(modifier._module_names)
-    totals = {}
-    for statistic_name, count_name, scale in SEQUENCE_SUMS:
-        statistics = getattr(modifier, statistic_name, None)
-        counts = getattr(modifier, count_name, None)
-        if statistics is None or counts is None:
-            continue
-        reduced = totals.setdefault(count_name, {})
-        for module in [m for m in order if _any_rank(m in statistics)]:
-            count = reduced.setdefault(module, _count_over_ranks(counts.get(module, 0)))
-            shape = _statistic_shape(statistic_name, module)
-            total = _sum_over_ranks(statistics.get(module), shape)
-            statistics[module] = mean_over_sequences(total, count, scale)
-    for count_name, reduced in totals.items():
-        getattr(modifier, count_name).update(reduced)
-    centering = getattr(modifier, CENTERING, None) or {}
-    for module in [m for m in order if m in centering]:
-        total, count = centering[module]
-        count = _count_over_ranks(count)
-        total = _sum_over_ranks(total, tuple(total.shape))
-        centering[module] = (mean_over_sequences(total, count, 2.0 if total.dim() == 2 else 1.0),
-                             count)  # fmt: skip
-    counts = getattr(modifier, SUM_COUNTS, None) or {}
-    for module in [m for m in order if m in counts]:
-        for name in SUM_STATISTICS:
-            sums = getattr(modifier, name)
-            if not _any_rank(module in sums):
-                continue
-            total = _sum_over_ranks(sums.get(module), _sum_shape(name, module))
-            sums[module] = total.to(STATISTICS_DTYPE)
-        counts[module] = _count_over_ranks(counts[module])
-
-
-def _statistic_shape(name: str, module: torch.nn.Module) -> tuple[int, ...]:
-    columns = module.weight.shape[1]
-    return (columns, columns) if "hessian" in name else (columns,)
-
-
-def _sum_shape(name: str, module: torch.nn.Module) -> tuple[int, ...]:
-    return tuple(module.weight.shape) if name == SUM_STATISTICS[0] else (module.weight.shape[0],)
-
-
-def _any_rank(flag: bool) -> bool:
-    if not is_distributed():
-        return flag
-    return bool(_all_reduce(torch.tensor([int(flag)])).item())
-
-
 # ---- solving on one rank -----------------------------------------------------------------
 
 
-def solve_on_owners(modifier, modules: Iterable[torch.nn.Module], solve: Callable[[], None]):
-    """Run ``solve`` (which prunes the modules left in ``modifier``'s statistic dicts,
-    ``statistic_names``) for the modules this rank owns, then broadcast every module's
-    pruned weight from its owner. In one process, just ``solve()``."""
+def solve_on_owners(statistics, modules: Iterable[torch.nn.Module], solve: Callable[[], None]):
+    """Run ``solve`` (which prunes the modules left in ``statistics``, a
+    ``CalibrationStatistics``) for the modules this rank owns, then broadcast every
+    module's pruned weight from its owner. In one process, just ``solve()``."""
     modules = list(modules)
     if not is_distributed():
         solve()
         return
     _, _, owner = greedy_bin_packing(list(modules), world_size(), lambda m: m.weight.numel())
     here = rank()
-    for name in statistic_names():
-        held = getattr(modifier, name, None)
-        if held is None:
-            continue
-        for module in modules:
-            if owner[module] != here:
-                held.pop(module, None)
+    statistics.keep_only([module for module in statistics if owner.get(module, here) == here])
     solve()
     for module in modules:
         with torch.no_grad(), align_module_device(module):
@@ -241,9 +159,3 @@ def solve_on_owners(modifier, modules: Iterable[torch.nn.Module], solve: Callabl
             dist.broadcast(travelling, src=owner[module])
             pruned = travelling.to(weight.device)
         update_offload_parameter(module, "weight", pruned)
-
-
-def statistic_names() -> tuple[str, ...]:
-    """Every per-module dict ``solve_on_owners`` may need to thin out."""
-    sums = tuple(name for statistic, count, _ in SEQUENCE_SUMS for name in (statistic, count))
-    return (*sums, *SUM_STATISTICS, SUM_COUNTS, CENTERING)

@@ -13,13 +13,14 @@ from compressed_tensors.utils import (
 from llmcompressor.core import State
 from llmcompressor.modifiers.modifier import Modifier
 from loguru import logger
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from whisper_modifiers.modifiers.compressed_save import CompressedSave
 from whisper_modifiers.modifiers.validation import (
+    MaskStructure,
     NonFiniteError,
-    SparsityValidation,
+    OneSparsity,
     check_mask_kept,
+    check_sparsity_fields,
     parse_mask_structure,
 )
 from whisper_modifiers.solvers import prune_by_score
@@ -27,7 +28,7 @@ from whisper_modifiers.solvers import prune_by_score
 __all__ = ["OneShotMagnitudeModifier"]
 
 
-class OneShotMagnitudeModifier(SparsityValidation, CompressedSave, Modifier):
+class OneShotMagnitudeModifier(Modifier):
     """Prune every targeted Linear to ``sparsity`` by weight magnitude, per output row
     (unstructured) or per group of ``M`` inputs (N:M), at initialisation; needs no
     calibration data.  (llmcompressor's ``MagnitudePruningModifier`` is a training-time
@@ -46,10 +47,15 @@ class OneShotMagnitudeModifier(SparsityValidation, CompressedSave, Modifier):
     """
 
     prunes_weights: ClassVar[bool] = True  # for the recipe-order checks (validation.py)
-    sparsity: float
-    mask_structure: str = "0:0"
+    sparsity: OneSparsity
+    mask_structure: MaskStructure = "0:0"
     targets: str | list[str] = ["Linear"]
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+
+    @model_validator(mode="after")
+    def _validate_fields(self):
+        check_sparsity_fields(self)
+        return self
 
     def on_initialize(self, state: State, **kwargs) -> bool:
         check_mask_kept()  # this session's recipe

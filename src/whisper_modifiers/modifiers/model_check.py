@@ -1,38 +1,22 @@
 """``gamma: auto``'s model check: the baseline's model against the same model with the
-chosen gammas, by the language-model loss on the held-out sequences.
+chosen gammas, by the language-model loss on the held-out sequences (why: docs/gamma.md,
+"One seed at a time").
 
-Each layer's gamma is chosen by its gated MLP block's output error (``selection``), a
-proxy of what the model loses, and a per-seed perplexity reacts to much more than that
-proxy sees: at 2:4 on SmolLM2-135M, Wanda's perplexity moves by 4 % when one of its 32
-calibration sequences is dropped (docs/gamma.md). A layer that leaves gamma 1 changes the
-activations every later layer is calibrated on, so it moves the whole model by about that
-much, whichever way, even where its block error fell. So, with ``gamma_model_check``:
-
-* a module whose gamma was chosen other than the reference (the largest candidate, gamma
-  1: the baseline) is solved at the reference, and the pipeline propagates those
-  weights, so every later layer is calibrated on the baseline's activations; its solve
-  at the chosen gamma (same statistics: every calibration sequence) is kept on the CPU
-  (``defer_choice``);
-* after the last layer the model is the baseline's, bit for bit; the held-out sequences
-  (the measured folds) go through it, then through it with the chosen weights swapped
-  in, and each sequence's mean next-token loss is taken (``sequence_losses``);
-* the chosen weights stay only if they lower the mean loss per sequence by more than
+* A module whose gamma was chosen other than the reference (the largest candidate, gamma
+  1: the baseline) is solved and propagated at the reference; its solve at the chosen
+  gamma (same statistics) is kept on the CPU (``defer_choice``).
+* After the last layer the model is the baseline's, bit for bit. The held-out sequences
+  go through it, then through it with the chosen weights swapped in, and each
+  sequence's mean next-token loss is taken (``sequence_losses``).
+* The chosen weights stay only if they lower the mean loss per sequence by more than
   ``gamma_evidence`` standard errors of the paired difference (``selection``'s rule,
   pooled over ranks); otherwise the model stays the baseline's.
 
-Both models saw the held-out sequences in their final statistics, so the check compares
-two models fitted alike on data both saw; it decides between the two, nothing more.
-
-Neither pass starts from the embeddings where it need not. The pipeline's propagation
-pass already ran the baseline's layers over the held-out sequences, so the hidden states
-that enter the last layer, and the first layer with a deferred module, are taken from it
-(plain forward hooks on the decoder layers, ``watch_propagation``): the baseline's pass
-runs only the last layer and what follows it, the chosen weights' pass starts at the
-first deferred layer. Where the propagation pass was not watched (``propagate_error``
-off, several layers per subgraph, a model whose layers are not one chain:
-``layerwise_pipeline.chain_fault``), that pass starts from the embeddings. The check
-costs one more solve per module that left the reference, the held-out hidden states of
-two layers on the CPU, and those passes; nothing when no module left it.
+Neither pass starts from the embeddings where it need not: plain forward hooks on the
+decoder layers keep the held-out hidden states that the pipeline's propagation pass
+computes entering the last layer and the first deferred one (``watch_propagation``);
+where that pass was not watched (``layerwise_pipeline.chain_fault``), a pass starts from
+the embeddings. Its cost: docs/gamma.md, "What the model check costs".
 """
 
 from __future__ import annotations
@@ -50,7 +34,6 @@ from compressed_tensors.utils import (
 )
 from llmcompressor.modifiers.utils.hooks import HooksMixin
 from loguru import logger
-from pydantic import BaseModel, PrivateAttr
 
 from whisper_modifiers.modifiers.distributed import all_reduce_sum, sequence_offset
 from whisper_modifiers.modifiers.layerwise_pipeline import chain_fault, recording_layers
@@ -62,30 +45,27 @@ LOSS_CHUNK = 512
 """Tokens per chunk of the LM head's logits (a large vocabulary's logits stay small)."""
 
 
-class ModelCheck(BaseModel):
-    """The ``gamma_model_check`` field of ``gamma: auto`` and its glue (module docstring);
-    relies on the host's ``candidate_weights``, ``_fold_of``, ``gamma_evidence``,
-    ``_chosen_gammas`` (the gamma each module is solved with), ``_gamma_record`` and
-    ``_module_names``."""
+class ModelCheck:
+    """``gamma: auto``'s model check (module docstring), a part of ``selection`` (the
+    ``GammaAuto`` that holds it: its host's ``candidate_weights``, ``fold_of``,
+    ``gamma_evidence``, ``chosen`` gammas, ``record`` and ``module_names``)."""
 
-    gamma_model_check: bool = True
-
-    _chosen_weights: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
-    _layers: list[torch.nn.Module] = PrivateAttr(default_factory=list)
-    _layer_of: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
-    _watch_handles: list = PrivateAttr(default_factory=list)
-    _watched: int | None = PrivateAttr(default=None)
-    _watched_row: int = PrivateAttr(default=0)
-    _entering: dict[int, list[torch.Tensor]] = PrivateAttr(default_factory=dict)
-    _first_deferred: int | None = PrivateAttr(default=None)
+    def __init__(self, selection):
+        self.selection = selection
+        self._chosen_weights: dict[torch.nn.Module, torch.Tensor] = {}
+        self._layers: list[torch.nn.Module] = []
+        self._layer_of: dict[torch.nn.Module, int] = {}
+        self._watch_handles: list = []
+        self._watched: int | None = None
+        self._watched_row = 0
+        self._entering: dict[int, list[torch.Tensor]] = {}
+        self._first_deferred: int | None = None
 
     def watch_propagation(self, model: torch.nn.Module) -> None:
         """With the check on: a plain forward hook on each decoder layer but the last (the
         pipelines run the propagation pass with llmcompressor's hooks off) that keeps the
         held-out sequences' outputs of a layer's propagation pass: the hidden states
         entering the next layer (module docstring)."""
-        if not self.gamma_model_check:
-            return
         layers = getattr(model.get_decoder(), "layers", None)
         self._layers = list(layers) if isinstance(layers, torch.nn.ModuleList) else []
         for index, layer in enumerate(self._layers):
@@ -112,7 +92,7 @@ class ModelCheck(BaseModel):
             return
         hidden = output[0] if isinstance(output, tuple) else output
         for sequence in hidden if hidden.dim() == 3 else hidden.unsqueeze(0):
-            if self._fold_of(self._watched_row) is not None:
+            if self.selection.fold_of(self._watched_row) is not None:
                 rows = self._entering.setdefault(index, [])
                 rows.append(sequence.detach().to("cpu", copy=True))
             self._watched_row += 1
@@ -145,24 +125,18 @@ class ModelCheck(BaseModel):
 
         return entry(len(self._layers) - 1), entry(self._first_deferred)
 
-    def _reset_model_check(self) -> None:
-        self.stop_watching()
-        self._chosen_weights, self._entering = dict(), dict()
-        self._layers, self._layer_of, self._first_deferred = [], dict(), None
-
     def defer_choice(self, group: list[torch.nn.Module], chosen: float, reference: float):
-        """With the model check on: solve ``group`` at its ``chosen`` gamma with the
-        statistics held now and keep the weights (on the CPU) for the check, and have the
-        layer solved, propagated and recorded at the ``reference`` until the check."""
-        if not self.gamma_model_check:
-            return
+        """Solve ``group`` at its ``chosen`` gamma with the statistics held now and keep
+        the weights (on the CPU) for the check, and have the layer solved, propagated and
+        recorded at the ``reference`` until the check."""
         first = min(self._layer_of.get(module, 0) for module in group)
         if self._first_deferred is None or first < self._first_deferred:
             self._first_deferred = first
-        for module, weight in self.candidate_weights(group, [chosen])[0].items():
+        selection = self.selection
+        for module, weight in selection.host.candidate_weights(group, [chosen])[0].items():
             self._chosen_weights[module] = weight.detach().to("cpu", copy=True)
-            self._chosen_gammas[module] = reference
-            self._gamma_record[self._module_names[module]]["gamma"] = reference
+            selection.chosen[module] = reference
+            selection.record[selection.module_names[module]]["gamma"] = reference
 
     def check_model(self, model: torch.nn.Module, dataloader: Iterable | None) -> None:
         """Keep the baseline's model, or swap in the chosen weights (module docstring).
@@ -176,14 +150,15 @@ class ModelCheck(BaseModel):
         if dataloader is None:
             raise ValueError("gamma_model_check needs the calibration dataloader (oneshot's)")
         start = time.perf_counter()
-        sequences = held_out_sequences(dataloader, sequence_offset(), self._fold_of)
+        selection = self.selection
+        sequences = held_out_sequences(dataloader, sequence_offset(), selection.fold_of)
         last, first = self._entries(model, sequences, entering)
         reference = {module: module.weight.detach().to("cpu", copy=True) for module in chosen}
         reference_losses = sequence_losses(model, sequences, *last)
         _write(chosen)
         chosen_losses = sequence_losses(model, sequences, *first)
         verdict, means, standard_errors, _ = select_gamma(
-            [0.0, 1.0], [torch.stack([chosen_losses, reference_losses])], self.gamma_evidence,
+            [0.0, 1.0], [torch.stack([chosen_losses, reference_losses])], selection.gamma_evidence,
             all_reduce_sum,
         )  # fmt: skip
         if verdict != 0.0:
@@ -194,10 +169,10 @@ class ModelCheck(BaseModel):
             "kept": "chosen" if verdict == 0.0 else "reference",
         }
         for module in chosen:
-            entry = self._gamma_record[self._module_names[module]]
+            entry = selection.record[selection.module_names[module]]
             if verdict == 0.0:
-                self._chosen_gammas[module] = entry["chosen_gamma"]
-            entry["gamma"], entry["model_check"] = self._chosen_gammas[module], record
+                selection.chosen[module] = entry["chosen_gamma"]
+            entry["gamma"], entry["model_check"] = selection.chosen[module], record
         logger.info(
             f"gamma: auto's model check over {len(chosen)} modules: held-out loss "
             f"{means[1.0]:.5f} with the reference gamma, {means[0.0]:.5f} with the chosen "

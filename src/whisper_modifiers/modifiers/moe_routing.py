@@ -15,6 +15,7 @@ flattened tokens too: ``as_sequences`` gives them back their ``[b, s, h]`` shape
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,9 +23,11 @@ import torch
 from llmcompressor.modeling.moe.context import get_calibrate_all_experts_flag
 from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
 
-from whisper_modifiers.saving import MOE_EXPERT
+__all__ = ["MOE_EXPERT", "MoERouting", "RoutedSequence"]
 
-__all__ = ["MoERouting", "RoutedSequence"]
+# an MoE expert as llmcompressor exposes it (mlp.experts.N.gate_proj); saved in the
+# family's fused experts (``saving.packed_experts``), dense
+MOE_EXPERT = re.compile(r".*\.experts\.\d+\.")
 
 
 @dataclass

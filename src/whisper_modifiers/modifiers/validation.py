@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import torch
 from llmcompressor.modifiers.gptq import GPTQModifier
 from llmcompressor.modifiers.pruning.sparsegpt.sgpt_base import SparsityModifierBase
 from llmcompressor.modifiers.quantization import QuantizationModifier
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator
 
 __all__ = [
     "NonFiniteError",
-    "SparsityValidation",
+    "MaskStructure",
+    "OneSparsity",
+    "Sparsity",
+    "check_sparsity_fields",
     "check_mask_kept",
     "check_prune_then_quantize",
     "prunes",
@@ -98,26 +102,28 @@ def check_structure_divides(modules, n: int, m: int) -> None:
             )
 
 
-class SparsityValidation(BaseModel):
-    """Mixin for a modifier with ``sparsity`` and ``mask_structure`` fields: validates
-    both, and their agreement, when the modifier is built."""
+def _normalized_mask_structure(value) -> str:
+    n, m = parse_mask_structure(value)
+    return f"{n}:{m}"
 
-    @field_validator("sparsity", mode="after", check_fields=False)
-    @classmethod
-    def _validate_sparsity(cls, value):
-        return check_sparsity(value)
 
-    @field_validator("mask_structure", mode="before", check_fields=False)
-    @classmethod
-    def _validate_mask_structure(cls, value):
-        n, m = parse_mask_structure(value)
-        return f"{n}:{m}"
+def _sparsity_field(allowed):
+    return Annotated[allowed, AfterValidator(check_sparsity)]
 
-    @model_validator(mode="after")
-    def _validate_sparsity_matches_structure(self):
-        structure = parse_mask_structure(self.mask_structure)
-        check_sparsity_matches_structure(self.sparsity, *structure)
-        return self
+
+Sparsity = _sparsity_field(float | list[float] | None)
+"""A pruning modifier's ``sparsity`` field: a number in [0, 1), or one per layer."""
+OneSparsity = _sparsity_field(float)
+"""A ``sparsity`` field that takes one number in [0, 1)."""
+MaskStructure = Annotated[str, BeforeValidator(_normalized_mask_structure)]
+"""A ``mask_structure`` field: ``'N:M'`` with ``0 < N < M``, or ``'0:0'``."""
+
+
+def check_sparsity_fields(modifier) -> None:
+    """A modifier's ``sparsity`` agrees with its ``mask_structure``."""
+    check_sparsity_matches_structure(
+        modifier.sparsity, *parse_mask_structure(modifier.mask_structure)
+    )
 
 
 # ---- the order of a recipe's modifiers ---------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import ClassVar
 
 import torch
 from compressed_tensors.utils import (
@@ -10,22 +11,17 @@ from compressed_tensors.utils import (
     get_execution_device,
     update_offload_parameter,
 )
-from llmcompressor.core import State
 from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
 from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import sparsify_weight
 from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 
-from whisper_modifiers.modifiers.base import DifferencePruningBase
+from whisper_modifiers.modifiers.base import DifferencePruningBase, Gamma
 from whisper_modifiers.modifiers.distributed import solve_on_owners
-from whisper_modifiers.modifiers.gamma_auto import Gamma
 from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import alps_prune, sparsegpt_prune_batch
-from whisper_modifiers.statistics import (
-    add_sequence_grams,
-    regularized_difference_hessian,
-)
+from whisper_modifiers.statistics import centered, regularized_difference_hessian
 
 __all__ = ["ALPSModifier", "ALPSWhisperModifier", "WhisperModifier"]
 
@@ -52,7 +48,7 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     ```
 
     :param gamma: weight of the standard Hessian ``H`` in ``H~``, in [0, 1]; 0.01 in the
-        paper.  At small scale a larger value (0.1) can matter (see README).  ``"auto"``
+        paper.  At small scale a larger value (0.1) can matter (benchmarks/results).  ``"auto"``
         chooses it per gate/up pair from ``gamma_candidates`` (default 0.01, 0.1, 0.3 and
         1, i.e. SparseGPT) by the MLP block's error on held-out calibration sequences
         (``whisper_modifiers.selection``).
@@ -61,65 +57,60 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     GAMMA_CANDIDATES = WHISPER_GAMMA_CANDIDATES
     gamma: Gamma = 0.01
 
-    _difference_hessians: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
-    _difference_samples: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
+    BATCHED_CANDIDATES: ClassVar[bool] = True  # candidate_weights: one batched solve
 
     def calibrate_module(self, module, args, _output):
-        x = args[0]
+        x, statistics = args[0], self._statistics
         if not self.is_difference_module(module):
-            return self.add_hessian(module, x)
+            return statistics.add_hessian(module, x)
         if self.pairing == "centered":  # H_c = H - s x_bar x_bar^T: H is computed anyway
-            if self.input_source(module, x) is not module:
+            if self._pairs.input_source(module, x) is not module:
                 return  # same input as its source: H and H_c are the source's
-            self.add_hessian(module, x)
-            return self.add_centering(module, x, add_sequence_grams)
-        differences = self.sequence_differences(module, x)
-        if self.pair_source(module) is not module:
+            statistics.add_hessian(module, x)
+            return statistics.add_centering(module, self._pairs.sequence_means(module, x), True)
+        differences = self._pairs.sequence_differences(module, x)
+        if self._pairs.source(module) is not module:
             return  # same input and pairs as its source: H and H_Delta are the source's
-        self.add_hessian(module, x)
-        self.add_sequences("_difference_hessians", "_difference_samples", module, differences,
-                           add_sequence_grams)  # fmt: skip
+        statistics.add_hessian(module, x)
+        statistics.add_difference_hessian(module, differences)
 
     def compress_modules(self):
         """Form ``H~`` for each difference module, then run SparseGPT's solver on all
         (statistics reduced across ranks first, each module solved on one rank)."""
         self.reduce_and_select()
-        for module in list(self._centering):
-            self._difference_hessians[module] = self.centered(module, self._hessians[module])
-            del self._centering[module]
-        for module, source in self._pair_sources.items():
-            if source is not module and source in self._hessians:  # this layer
-                self._hessians[module] = self._hessians[source].clone()
-                self._num_samples[module] = self._num_samples[source]
-                if source in self._difference_hessians:
-                    self._difference_hessians[module] = self._difference_hessians[source]
-        self._warn_without_pairs()
-        for module in list(self._difference_hessians):
-            difference_hessian = self._difference_hessians.pop(module)
-            self._difference_samples.pop(module, None)
-            hessian = self._hessians[module]
-            self._hessians[module] = regularized_difference_hessian(
-                hessian, difference_hessian.to(hessian.device), self.gamma_of(module)
-            )
-        modules = [m for m in self._module_names if m in self._num_samples]
-        solve_on_owners(self, modules, self.solve)
-
-    def _warn_without_pairs(self):
-        """An MoE expert that no calibration sequence sent 2 tokens has no ``H_Delta``:
-        it is pruned with ``H`` alone (SparseGPT)."""
-        for module in self._hessians:
-            if self.is_difference_module(module) and module not in self._difference_hessians:
-                self.warn_without_pairs(module, "SparseGPT's H")
+        for module in self._statistics:
+            held = self._statistics[module]
+            if held.centering_gram.held:
+                held.difference_hessian.total = centered(held.hessian.total,
+                                                         held.centering_gram.total)  # fmt: skip
+        for module, source in self._pairs.shared_inputs().items():
+            if source in self._statistics:  # this layer
+                shared, held = self._statistics[source], self._statistics.of(module)
+                held.hessian, held.difference_hessian = (
+                    shared.hessian.copy(),
+                    shared.difference_hessian,
+                )
+        for module in self._statistics:
+            held = self._statistics[module]
+            if self.is_difference_module(module) and not held.difference_hessian.held:
+                self._pairs.warn_without_pairs(module, "SparseGPT's H")
+            elif held.difference_hessian.held:
+                hessian = held.hessian.total
+                held.hessian.total = regularized_difference_hessian(
+                    hessian, held.difference_hessian.total.to(hessian.device), self.gamma_of(module)
+                )
+        modules = [m for m in self._module_names if m in self._statistics]
+        solve_on_owners(self._statistics, modules, self.solve)
 
     def regularized_hessian(self, module, gamma: float) -> torch.Tensor:
         """A new ``H~`` of ``module`` at ``gamma`` from the statistics held now (its
         input source's when the input is shared), on its execution device."""
-        source = self._pair_sources.get(module, module)
-        hessian = self._hessians[source].to(get_execution_device(module))
-        if source in self._centering:
-            difference_hessian = self.centered(source, hessian)
+        held = self._statistics[self._pairs.source(module)]
+        hessian = held.hessian.total.to(get_execution_device(module))
+        if held.centering_gram.held:
+            difference_hessian = centered(hessian, held.centering_gram.total)
         else:
-            difference_hessian = self._difference_hessians[source].to(hessian.device)
+            difference_hessian = held.difference_hessian.total.to(hessian.device)
         return regularized_difference_hessian(hessian, difference_hessian, gamma).clone()
 
     def candidate_weight(self, module, gamma: float) -> torch.Tensor:
@@ -137,7 +128,7 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         ``sparsify_weight`` per problem): one loop over the columns instead of one per
         module and gamma."""
         sparsities = {self._module_sparsities[m] for m in group}
-        if (self.preserve_sparsity_mask or len(sparsities) > 1
+        if (not self.BATCHED_CANDIDATES or self.preserve_sparsity_mask or len(sparsities) > 1
                 or len({tuple(m.weight.shape) for m in group}) > 1
                 or not all(isinstance(m, torch.nn.Linear) for m in group)):  # fmt: skip
             return super().candidate_weights(group, gammas)
@@ -147,12 +138,12 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             problems = [(m, gamma) for gamma in gammas for m in group]
             mixed = {}  # H~ per (input source, gamma): gate and up share one
             for m, gamma in problems:
-                key = (self._pair_sources.get(m, m), gamma)
+                key = (self._pairs.source(m), gamma)
                 if key not in mixed:
                     mixed[key] = self.regularized_hessian(m, gamma).to(m.weight.device)
             pruned = sparsegpt_prune_batch(
                 torch.stack([m.weight for m, _ in problems]),
-                torch.stack([mixed[self._pair_sources.get(m, m), g] for m, g in problems]),
+                torch.stack([mixed[self._pairs.source(m), g] for m, g in problems]),
                 sparsities.pop(), self._prune_n, self._prune_m, self.block_size,
                 self.dampening_frac,
             ).to(group[0].weight.dtype)  # fmt: skip
@@ -160,14 +151,20 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         return [{module: next(weights) for module in group} for _ in gammas]
 
     def solve(self):
-        """Prune every calibrated module with its Hessian: SparseGPT's solver."""
-        SparseGPTModifier.compress_modules(self)
-
-    def on_finalize(self, state: State, **kwargs) -> bool:
-        self._difference_hessians = dict()
-        self._difference_samples = dict()
-        self._reset_routing()
-        return super().on_finalize(state, **kwargs)
+        """Prune every module left with statistics with its ``H~`` (``H`` outside the
+        difference targets): llmcompressor's SparseGPT solve (``sparsify_weight``)."""
+        for module in self._statistics:
+            name, hessian = self._module_names[module], self._statistics[module].hessian
+            self._statistics.drop(module)
+            logger.info(f"Sparsifying {name} using {hessian.count} samples")
+            with torch.no_grad(), align_module_device(module), CompressionLogger(module) as log:
+                loss, pruned = sparsify_weight(
+                    module, {module: hessian.total}, self._module_sparsities[module],
+                    self._prune_n, self._prune_m, self.block_size, self.dampening_frac,
+                    self.preserve_sparsity_mask,
+                )  # fmt: skip
+                log.set_results(name="SGPT", loss=loss)
+            update_offload_parameter(module, "weight", pruned)
 
 
 class ALPSWhisperModifier(WhisperModifier):
@@ -196,11 +193,13 @@ class ALPSWhisperModifier(WhisperModifier):
     alps_max_iter: int = Field(default=300, ge=1)
     alps_cg_iter: int = Field(default=10, ge=0)
 
+    BATCHED_CANDIDATES: ClassVar[bool] = False  # ALPS at each candidate, one at a time
+
     def solve(self):
-        for module in list(self._num_samples):
-            name = self._module_names[module]
-            hessian = self._hessians.pop(module)
-            count = self._num_samples.pop(module)
+        for module in self._statistics:
+            name, held = self._module_names[module], self._statistics[module].hessian
+            hessian, count = held.total, held.count
+            self._statistics.drop(module)
             logger.info(f"Sparsifying {name} with ALPS using {count} samples")
             with torch.no_grad(), align_module_device(module), CompressionLogger(module):
                 result = self._alps(module, hessian)
@@ -209,10 +208,6 @@ class ALPSWhisperModifier(WhisperModifier):
                 f"reconstruction error {result.objective:.4g}"
             )
             update_offload_parameter(module, "weight", result.weight)
-
-    def candidate_weights(self, group, gammas: list[float]) -> list[dict]:
-        """ALPS at each candidate, one module at a time."""
-        return DifferencePruningBase.candidate_weights(self, group, gammas)
 
     def candidate_weight(self, module, gamma: float) -> torch.Tensor:
         """ALPS with ``H~`` at ``gamma`` (the weight is not written)."""

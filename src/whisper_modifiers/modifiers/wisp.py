@@ -1,4 +1,5 @@
-"""Wisp, Wisp+ and their RIA composites: no-update pruning over a channel statistic."""
+"""Wisp and Wisp+: no-update pruning over a channel statistic (their RIA composites are
+``ria.py``'s)."""
 
 from __future__ import annotations
 
@@ -6,31 +7,24 @@ from typing import Literal
 
 import torch
 from compressed_tensors.utils import align_module_device, update_offload_parameter
-from llmcompressor.core import State
 from llmcompressor.modifiers.pruning.wanda import WandaPruningModifier
 from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase
+from whisper_modifiers.modifiers.calibration_statistics import ModuleStatistics
 from whisper_modifiers.modifiers.distributed import solve_on_owners
 from whisper_modifiers.selection import WISP_GAMMA_CANDIDATES
-from whisper_modifiers.solvers import prune_by_score, ria_scores, wanda_scores
+from whisper_modifiers.solvers import prune_by_score, wanda_scores
 from whisper_modifiers.statistics import (
-    SUM_DTYPE,
-    add_sequence_channel_norms,
+    centered,
     mapping_difficulty,
     neuronwise_difference,
     regularized_difference_norms,
 )
 
-__all__ = [
-    "RIAModifier",
-    "RIAWispModifier",
-    "RIAWispPlusModifier",
-    "WispModifier",
-    "WispPlusModifier",
-]
+__all__ = ["WispModifier", "WispPlusModifier"]
 
 
 class WispModifier(DifferencePruningBase, WandaPruningModifier):
@@ -68,28 +62,22 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
     GAMMA_CANDIDATES = WISP_GAMMA_CANDIDATES
     comparison_group: Literal["row", "layer"] = "row"
 
-    _plain_norms: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
-    _plain_counts: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
-
     def calibrate_module(self, module, args, _output):
+        x, statistics = args[0], self._statistics
         if not self.is_difference_module(module) or self.gamma == 1:
-            return self.add_row_scalars(module, args[0])
+            return statistics.add_channel_norms(module, x)
         if self.pairing == "centered":  # ||X_c,j||^2 = ||X_j||^2 - s x_bar_j^2
-            self.add_row_scalars(module, args[0])
-            return self.add_centering(module, args[0], add_sequence_channel_norms)
-        self._accumulate_plain_norms(module, args[0])
-        self._accumulate_difference_norms(module, self.sequence_differences(module, args[0]))
+            statistics.add_channel_norms(module, x)
+            return statistics.add_centering(module, self._pairs.sequence_means(module, x), False)
+        self._add_plain_norms(module, x)
+        statistics.add_channel_norms(module, self._pairs.sequence_differences(module, x))
 
-    def _accumulate_plain_norms(self, module, x: torch.Tensor):
+    def _add_plain_norms(self, module, x: torch.Tensor):
         """Wanda's ``||X_j||^2`` beside the difference statistic, for a mixture
         (``gamma`` neither 0 nor 1), and always for an MoE expert (its statistic if no
         sequence sends it 2 tokens: ``_fall_back_without_pairs``)."""
-        if self.gamma == 0 and not self._routing.is_expert(module):
-            return
-        self.add_sequences("_plain_norms", "_plain_counts", module, x, add_sequence_channel_norms)
-
-    def _accumulate_difference_norms(self, module, differences: torch.Tensor):
-        self.add_row_scalars(module, differences)
+        if self.gamma != 0 or self._pairs.routing.is_expert(module):
+            self._statistics.add_plain_norms(module, x)
 
     def scores(self, weight: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
         """The saliency over a channel statistic (``||X_j||``, ``||dX_j||`` or ``a_ij``)."""
@@ -101,36 +89,31 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         ``solve``."""
         self.reduce_and_select()
         self._fall_back_without_pairs()
-        calibrated = set(self._num_samples) | set(getattr(self, "_neuronwise_counts", {}))
-        modules = [m for m in self._module_names if m in calibrated]
-        solve_on_owners(self, modules, self.solve)
+        modules = [m for m in self._module_names if m in self._statistics]
+        solve_on_owners(self._statistics, modules, self.solve)
 
     def _fall_back_without_pairs(self):
         """An MoE expert that no calibration sequence sent 2 tokens has no pair: it is
         pruned with Wanda's statistic, which it always keeps, and a warning."""
-        for module in [m for m in self._plain_norms if self._routing.is_expert(m)]:
-            if self._has_pairs(module):
-                continue
-            self.warn_without_pairs(module, "Wanda's statistic")
-            self._drop_difference_statistics(module)
-            self._row_scalars[module] = self._plain_norms.pop(module)
-            self._num_samples[module] = self._plain_counts.pop(module)
+        for module in self._statistics:
+            statistics = self._statistics[module]
+            if self._pairs.routing.is_expert(module) and not self._has_pairs(statistics):
+                self._pairs.warn_without_pairs(module, "Wanda's statistic")
+                statistics.fall_back_to_plain()
 
-    def _has_pairs(self, module) -> bool:
-        return module in self._row_scalars
-
-    def _drop_difference_statistics(self, module):
-        pass  # Wisp's are in _row_scalars, absent here
+    def _has_pairs(self, statistics: ModuleStatistics) -> bool:
+        return statistics.channel_norms.held
 
     def channel_statistic(self, module, gamma: float) -> torch.Tensor:
         """The statistic under ``|W_ij|`` in the saliency, from the statistics held now:
         ``||X_j||`` (Wanda), ``||dX_j||`` or ``||X_c,j||`` (Wisp), or their mixture at
         ``gamma`` (``regularized_difference_norms``)."""
-        norms = self._row_scalars[module]
-        if module in self._centering:
-            plain, difference = norms, self.centered(module, norms)
-        elif module in self._plain_norms:
-            plain, difference = self._plain_norms[module], norms
+        statistics = self._statistics[module]
+        norms = statistics.channel_norms.total
+        if statistics.centering_norms.held:
+            plain, difference = norms, centered(norms, statistics.centering_norms.total)
+        elif statistics.plain_norms.held:
+            plain, difference = statistics.plain_norms.total, norms
         else:  # Wanda's module, or gamma 0 or 1: one statistic
             return norms.sqrt()
         if gamma == 0:
@@ -139,16 +122,11 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
 
     def solve(self):
         """Prune every module left with statistics."""
-        for module in list(self._num_samples):
-            count = self._num_samples[module]
+        for module in self._statistics:
             statistic = self.channel_statistic(module, self.gamma_of(module))
-            self._drop_statistics(module)
+            count = self._statistics[module].channel_norms.count
+            self._statistics.drop(module)
             self._prune(module, statistic, count)
-
-    def _drop_statistics(self, module):
-        for statistics in (self._num_samples, self._row_scalars, self._plain_norms,
-                           self._plain_counts, self._centering):  # fmt: skip
-            statistics.pop(module, None)
 
     def candidate_weight(self, module, gamma: float) -> torch.Tensor:
         """The pruned weight at ``gamma`` (not written)."""
@@ -172,12 +150,6 @@ class WispModifier(DifferencePruningBase, WandaPruningModifier):
         with torch.no_grad(), align_module_device(module), CompressionLogger(module):
             pruned = self._pruned(module, statistic)
         update_offload_parameter(module, "weight", pruned)
-
-    def on_finalize(self, state: State, **kwargs) -> bool:
-        self._reset_routing()
-        self._plain_norms = dict()
-        self._plain_counts = dict()
-        return super().on_finalize(state, **kwargs)
 
 
 class WispPlusModifier(WispModifier):
@@ -209,10 +181,6 @@ class WispPlusModifier(WispModifier):
     pair_fraction: float = Field(default=0.005, gt=0.0, le=1.0)
     specialized_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
 
-    _neuronwise_sums: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
-    _neuronwise_counts: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
-    _difficulty_sums: dict[torch.nn.Module, torch.Tensor] = PrivateAttr(default_factory=dict)
-
     @model_validator(mode="after")
     def _validate_wisp_plus(self):
         if self.pairing == "centered":
@@ -228,147 +196,68 @@ class WispPlusModifier(WispModifier):
         return self
 
     def calibrate_module(self, module, args, _output):
+        x, statistics = args[0], self._statistics
         if not self.is_difference_module(module) or self.gamma == 1:
-            return self.add_row_scalars(module, args[0])
-        differences = self.sequence_differences(module, args[0])
-        self._accumulate_plain_norms(module, args[0])
-        self._neuronwise_counts.setdefault(module, 0)
+            return statistics.add_channel_norms(module, x)
+        differences = self._pairs.sequence_differences(module, x)
+        self._add_plain_norms(module, x)
+        held = statistics.of(module)  # solved even if no pair counts (an error then)
         specializing = self.specialized_fraction < 1
         if specializing:
-            self._accumulate_difference_norms(module, differences)
+            statistics.add_channel_norms(module, differences)
         with align_module_device(module):
             for sequence in differences:
                 statistic = neuronwise_difference(module.weight, sequence, self.pair_fraction)
                 if statistic is None:
                     continue
-                _add(self._neuronwise_sums, module, statistic)
+                held.neuronwise.add(statistic)
                 if specializing:
-                    _add(self._difficulty_sums, module, mapping_difficulty(module.weight, sequence))
-                self._neuronwise_counts[module] += 1
+                    held.difficulty.add(mapping_difficulty(module.weight, sequence))
 
     def channel_statistic(self, module, gamma: float) -> torch.Tensor:
         """Wisp+'s ``a_ij`` (with Wisp's rows for the easier neurons when
         ``specialized_fraction < 1``), or its mixture with ``||X_j||^2`` at ``gamma``:
         ``sqrt(gamma ||X_j||^2 + (1 - gamma) (mu / mu_a) a_ij^2)``
         (``regularized_difference_norms``); other modules as Wisp's."""
-        if module not in self._neuronwise_counts:
+        statistics = self._statistics[module]
+        neuronwise = statistics.neuronwise
+        if not neuronwise.held:
+            if self._draws_pairs(module):
+                raise ValueError(
+                    f"{self._module_names[module]}: every sampled pair of every calibration "
+                    "sequence had zero input distance, so Wisp+ has no pair to select"
+                )
             return super().channel_statistic(module, gamma)
-        count = self._neuronwise_counts[module]
-        if count == 0:
-            raise ValueError(
-                f"{self._module_names[module]}: every sampled pair of every calibration "
-                "sequence had zero input distance, so Wisp+ has no pair to select"
-            )
-        statistic = self._neuronwise_sums[module] / count
+        statistic = neuronwise.total / neuronwise.count
         if self.specialized_fraction < 1:
-            statistic = self._specialize(module, statistic)
-        if gamma == 0 or module not in self._plain_norms:
+            statistic = self._specialize(statistics, statistic)
+        if gamma == 0 or not statistics.plain_norms.held:
             return statistic
-        plain = self._plain_norms[module].to(statistic.device)
+        plain = statistics.plain_norms.total.to(statistic.device)
         return regularized_difference_norms(plain, statistic.square(), gamma).sqrt()
 
+    def _draws_pairs(self, module) -> bool:
+        """Whether ``module`` gets Wisp+'s statistic (an MoE expert without pairs falls
+        back to Wanda's)."""
+        routed_expert = self._pairs.routing.is_expert(module)
+        return self.is_difference_module(module) and self.gamma != 1 and not routed_expert
+
     def solve(self):
-        for module in list(self._neuronwise_counts):
+        for module in self._statistics:
+            statistics = self._statistics[module]
             statistic = self.channel_statistic(module, self.gamma_of(module))
-            count = self._neuronwise_counts.pop(module)
-            for statistics in (self._neuronwise_sums, self._difficulty_sums):
-                statistics.pop(module, None)
-            self._drop_statistics(module)
-            self._prune(module, statistic, count)
-        super().solve()
+            held = statistics.neuronwise if statistics.neuronwise.held else statistics.channel_norms
+            self._statistics.drop(module)
+            self._prune(module, statistic, held.count)
 
-    def _has_pairs(self, module) -> bool:
-        return self._neuronwise_counts.get(module, 0) > 0
+    def _has_pairs(self, statistics: ModuleStatistics) -> bool:
+        return statistics.neuronwise.held
 
-    def _drop_difference_statistics(self, module):
-        statistics = (self._neuronwise_counts, self._neuronwise_sums, self._difficulty_sums,
-                      self._row_scalars, self._num_samples)  # fmt: skip
-        for held in statistics:
-            held.pop(module, None)
-
-    def _specialize(self, module, neuronwise: torch.Tensor) -> torch.Tensor:
+    def _specialize(self, statistics: ModuleStatistics, neuronwise: torch.Tensor) -> torch.Tensor:
         """Wisp+'s rows for the most difficult neurons, Wisp's for the rest."""
-        difficulty = self._difficulty_sums[module]
-        wisp = self._row_scalars[module].sqrt().to(neuronwise.device)
+        difficulty = statistics.difficulty.total
+        wisp = statistics.channel_norms.total.sqrt().to(neuronwise.device)
         statistic = wisp.expand_as(neuronwise).clone()
         specialized = difficulty.topk(round(self.specialized_fraction * len(difficulty))).indices
         statistic[specialized] = neuronwise[specialized]
         return statistic
-
-    def on_finalize(self, state: State, **kwargs) -> bool:
-        if self._neuronwise_counts:
-            raise ValueError(f"Failed to compress {len(self._neuronwise_counts)} modules")
-        self._neuronwise_sums = dict()
-        self._difficulty_sums = dict()
-        return super().on_finalize(state, **kwargs)
-
-
-def _add(sums: dict, key, value: torch.Tensor):
-    """``sums[key] += value`` in float64 (a per-sequence statistic summed over sequences:
-    exact, so the same in any order; ``distributed.reduce_statistics`` makes it float32)."""
-    if key in sums:
-        sums[key] += value
-    else:
-        sums[key] = value.to(SUM_DTYPE)
-
-
-class RIAScoring(BaseModel):
-    """RIA's saliency in place of Wanda's (mixin): ``(|W_ij| / ||W_:j||_1 + |W_ij| /
-    ||W_i:||_1) * c^a``.
-
-    :param ria_exponent: ``a``; 0.5 as in RIA and the paper.
-    :param comparison_group: ``"layer"`` by default, as RIA's reference implementation
-        and its published numbers use; ``"row"`` for Wanda's per-row groups.
-    """
-
-    ria_exponent: float = Field(default=0.5, gt=0.0)
-    comparison_group: Literal["row", "layer"] = "layer"
-
-    def scores(self, weight: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
-        return ria_scores(weight, channel_scale, self.ria_exponent)
-
-
-class RIAWispModifier(RIAScoring, WispModifier):
-    """RIA-Wisp (paper Appendix "Composability"): RIA's saliency with ``||dX_j||_2`` on
-    the ``difference_targets`` (gate/up), with ``||X_j||_2`` (plain RIA) elsewhere.
-
-    ```yaml
-    sparsity_stage:
-      sparsity_modifiers:
-        RIAWispModifier:
-          sparsity: 0.5
-          mask_structure: "2:4"
-          ignore: ["lm_head"]
-    ```
-    """
-
-
-class RIAWispPlusModifier(RIAScoring, WispPlusModifier):
-    """RIA-Wisp+: RIA's saliency with Wisp+'s ``a_ij`` on the ``difference_targets``,
-    plain RIA elsewhere.
-
-    ```yaml
-    sparsity_stage:
-      sparsity_modifiers:
-        RIAWispPlusModifier:
-          sparsity: 0.5
-          mask_structure: "2:4"
-          ignore: ["lm_head"]
-    ```
-    """
-
-
-class RIAModifier(RIAWispModifier):
-    """RIA (Zhang et al. 2024) as a one-shot modifier: ``(|W_ij| / ||W_:j||_1 + |W_ij| /
-    ||W_i:||_1) * ||X_j||_2^a`` on every targeted module (``difference_targets`` is empty).
-
-    ```yaml
-    sparsity_stage:
-      sparsity_modifiers:
-        RIAModifier:
-          sparsity: 0.5
-          ignore: ["lm_head"]
-    ```
-    """
-
-    difference_targets: list[str] = Field(default_factory=list)
