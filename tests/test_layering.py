@@ -72,3 +72,11 @@ def test_statistics_copy_subtract_reduce_and_drop_are_direct_sums():
     assert list(everything) == [up]
     everything.keep_only([])
     assert len(everything) == 0
+
+
+def test_whisper_keeps_its_grams_offloaded_with_offload_hessians():
+    from whisper_modifiers.modifiers import WhisperModifier, WispModifier
+
+    assert WhisperModifier(sparsity=0.5, offload_hessians=True).new_statistics().offload_grams
+    assert not WhisperModifier(sparsity=0.5).new_statistics().offload_grams
+    assert not WispModifier(sparsity=0.5).new_statistics().offload_grams

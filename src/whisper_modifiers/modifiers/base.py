@@ -130,6 +130,10 @@ class DifferencePruningBase(SparsityModifierBase):
                 f"{num_sequences}"
             )
 
+    def new_statistics(self) -> CalibrationStatistics:
+        """An empty statistics object for a run (a method may keep its Grams offloaded)."""
+        return CalibrationStatistics()
+
     def _pruned_modules(self, target_layers: dict) -> list[tuple]:
         return pruned_modules(target_layers, self.sparsity, self.ignore, self.mask_structure)
 
@@ -137,7 +141,7 @@ class DifferencePruningBase(SparsityModifierBase):
 
     def on_initialize(self, state: State, **kwargs) -> bool:
         check_mask_kept()  # this session's recipe
-        self._statistics = CalibrationStatistics(getattr(self, "offload_hessians", False))
+        self._statistics = self.new_statistics()
         self._pairs = Pairing(self.pairing, self.seed, self.num_permutations,
                               self._module_names, type(self).__name__)  # fmt: skip
         self._gamma_auto = None

@@ -18,6 +18,7 @@ from loguru import logger
 from pydantic import Field
 
 from whisper_modifiers.modifiers.base import DifferencePruningBase, Gamma
+from whisper_modifiers.modifiers.calibration_statistics import CalibrationStatistics
 from whisper_modifiers.modifiers.distributed import solve_on_owners
 from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
 from whisper_modifiers.solvers import alps_prune, sparsegpt_prune_batch
@@ -58,6 +59,11 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
     gamma: Gamma = 0.01
 
     BATCHED_CANDIDATES: ClassVar[bool] = True  # candidate_weights: one batched solve
+
+    def new_statistics(self) -> CalibrationStatistics:
+        """Statistics whose Grams stay on the CPU between batches with llmcompressor's
+        ``offload_hessians``."""
+        return CalibrationStatistics(offload_grams=self.offload_hessians)
 
     def calibrate_module(self, module, args, _output):
         x, statistics = args[0], self._statistics
