@@ -174,9 +174,7 @@ class DifferencePruningBase(SparsityModifierBase):
         self._pairs.watch_routing(state.model, differences, self.register_hook, refused)
         watch_causal_masks(state.model, self.register_hook)
         if self._gamma_auto is not None:
-            self._gamma_auto.find_gated_mlps(state.model, modules)
-            if self._gamma_auto.model_check is not None:
-                self._gamma_auto.model_check.watch_propagation(state.model)
+            self._gamma_auto.start(state.model, modules)
         logger.info(
             f"{type(self).__name__}: difference statistic on "
             f"{len(self._difference_modules)} of {len(modules)} modules"
@@ -238,18 +236,15 @@ class DifferencePruningBase(SparsityModifierBase):
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._pairs.end_layer()
-        solved = set(self._calibrated)
-        if self._gamma_auto is not None:
-            self._gamma_auto.end_layer_inputs()
         super().on_sequential_epoch_end(state, event, **kwargs)  # compress_modules
-        if self._gamma_auto is not None and self._gamma_auto.model_check is not None:
-            self._gamma_auto.model_check.watch_layer_propagation(solved)
+        if self._gamma_auto is not None:
+            self._gamma_auto.end_layer(self._calibrated)
         self._calibrated = set()
 
     def on_calibration_end(self, state: State, event: Event, **kwargs):
         """After the last layer: ``gamma: auto``'s model check (``model_check``)."""
-        if self._gamma_auto is not None and self._gamma_auto.model_check is not None:
-            self._gamma_auto.model_check.check_model(state.model, state.data.calib)
+        if self._gamma_auto is not None:
+            self._gamma_auto.end_calibration(state.model, state.data.calib)
         super().on_calibration_end(state, event, **kwargs)
 
     # -- after the run -------------------------------------------------------------------

@@ -85,9 +85,11 @@ class GammaAuto:
         self._held_inputs: dict[torch.nn.Module, list] = {}
         self._held_of_input: tuple | None = None
 
-    def find_gated_mlps(self, model: torch.nn.Module, modules: list[tuple]) -> None:
-        """Record the gated MLP each pruned gate / up projection is part of (its gamma is
-        chosen with its partner's, by the block's output error)."""
+    def start(self, model: torch.nn.Module, modules: list[tuple]) -> None:
+        """At calibration start, for the pruned ``(name, module, sparsity)``: record the
+        gated MLP each gate / up projection is part of (its gamma is chosen with its
+        partner's, by the block's output error), and have the model check watch the
+        propagation."""
         for name, module, _ in modules:
             parent = model.get_submodule(name.rpartition(".")[0])
             if all(hasattr(parent, part) for part in GATED_MLP_PARTS) and module in (
@@ -95,6 +97,18 @@ class GammaAuto:
                 parent.up_proj,
             ):
                 self._gated_mlps[module] = parent
+        if self.model_check is not None:
+            self.model_check.watch_propagation(model)
+
+    def end_layer(self, solved: set[torch.nn.Module]) -> None:
+        """After a layer's solve (``solved``: its modules)."""
+        if self.model_check is not None:
+            self.model_check.watch_layer_propagation(solved)
+
+    def end_calibration(self, model: torch.nn.Module, dataloader) -> None:
+        """After the last layer: the model check, if on."""
+        if self.model_check is not None:
+            self.model_check.check_model(model, dataloader)
 
     def fold_of(self, row: int) -> int | None:
         """The measured fold of the sequence with global index ``row``, or None."""
@@ -124,10 +138,6 @@ class GammaAuto:
             self.model_check.stop_watching()
         self._gated_mlps, self._held_inputs, self._held_of_input = {}, {}, None
 
-    def end_layer_inputs(self) -> None:
-        """Release the layer's last batch."""
-        self._held_of_input = None
-
     def reduce_and_select(self, statistics: CalibrationStatistics, calibrated: set) -> None:
         """Reduce ``statistics`` (the host's, every calibration sequence, held out or not,
         summed as the baseline sums them: a module that keeps gamma 1 is the baseline's
@@ -136,7 +146,7 @@ class GammaAuto:
         the fold's, reduced alike)."""
         selecting = {m for m in calibrated if self.host.is_difference_module(m)}
         everything = statistics.copy(selecting)
-        held, self._held_inputs = self._held_inputs, dict()
+        held, self._held_inputs, self._held_of_input = self._held_inputs, dict(), None
         folds = self._replay(held)
         statistics.reduce(self.module_names)
         groups = self._selection_groups(held, calibrated)
