@@ -36,6 +36,7 @@ from conftest import (  # noqa: E402
     NUM_SEQUENCES,
     SEQ_LEN,
     group_32_recipe,
+    tiny_model,
 )
 
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -52,10 +53,7 @@ def models(directory: Path, tokenizer) -> dict[str, Path]:
             intermediate_size=128, moe_intermediate_size=64, num_experts=4,
             num_experts_per_tok=2, head_dim=32, **TINY)),
     ]:  # fmt: skip
-        torch.manual_seed(0)
-        model_class(config).save_pretrained(directory / name)
-        tokenizer.save_pretrained(directory / name)
-        built[name] = directory / name
+        built[name] = tiny_model(directory / name, tokenizer, model_class, config)
     return built
 
 

@@ -167,6 +167,15 @@ def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
     return directory
 
 
+def tiny_model(directory: Path, tokenizer, model_class, config) -> Path:
+    """A random-weight ``model_class(config)`` (seed 0) and ``tokenizer`` saved in
+    ``directory``."""
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def group_32_recipe(directory: Path, stem: str) -> Path:
     """The W4A16 recipe ``stem`` with groups of 32 inputs, so that stories260K's 64-input
     layers really are quantized (W4A16's groups of 128 divide none of them, which

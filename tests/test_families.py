@@ -21,7 +21,7 @@ from transformers import (
 )
 
 import whisper_modifiers  # noqa: F401
-from conftest import dense_state_dict
+from conftest import dense_state_dict, tiny_model
 from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
 from whisper_modifiers.checkpoint import RECORD_FILE
 from whisper_modifiers.preflight import meta_model
@@ -31,13 +31,6 @@ from whisper_modifiers.sparse_serving.format import check_two_four
 pytestmark = pytest.mark.slow
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=2)  # fmt: skip
-
-
-def tiny_model(directory, tokenizer, model_class, config):
-    torch.manual_seed(0)
-    model_class(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 @pytest.mark.parametrize(
