@@ -5,14 +5,16 @@
 
 For each projection of Llama-2-7B and Llama-3-8B as vLLM runs it (qkv and gate_up fused),
 random weights pruned 2:4 by magnitude, at each token count: dense ``F.linear`` on the
-dense weight against the op on the compressed tensors (``sparse_serving.cpu_op``: its row
-kernels, its tiled path, and the op with the measured plan's choice, as served). Distinct
-copies of the weights are cycled (at least ``--working-set`` MiB of each) so that no call
-finds its weight in cache: decode reads every weight from memory, as in a served model.
-Every time is the median over ``--repeats`` passes; ratios are dense time / op time
-(above 1: the op is faster). Writes ``cpu_sparse24-ISA.md``, ``.json`` and ``.png`` to
-``--out``, ISA being the op's kernels here (``avx2``, ``avx512``, ``avx512_bf16``: one file
-set per kind of CPU), each labelled by this CPU's line.
+dense weight against the op on the compressed tensors (``sparse_serving.cpu_op``: the op
+with the measured plan's choice, as served, and each of its paths: row kernels up to
+``--rows-up-to`` tokens, the blocked GEMM where it runs, the tiles). Distinct copies of the
+weights are cycled (at least ``--working-set`` MiB of each) so that no call finds its
+weight in cache: decode reads every weight from memory, as in a served model. The sides
+alternate, one pass each per round, and every time is the median over ``--repeats``
+rounds (this machine is shared: a side measured alone would take its noise); ratios are
+dense time / op time (above 1: the op is faster). Writes ``cpu_sparse24-ISA.md``,
+``.json`` and ``.png`` to ``--out``, ISA being the op's kernels here (``avx2``, ``avx512``,
+``avx512_bf16``: one file set per kind of CPU), each labelled by this CPU's line.
 """
 
 from __future__ import annotations
@@ -48,25 +50,27 @@ def cpu_line() -> str:
             f"{cpu_isa()})")  # fmt: skip
 
 
-def median_seconds(calls: list, repeats: int) -> float:
-    """Median over ``repeats`` passes of the time per call, each pass making every call
-    once (each with its own weight copy)."""
-    for call in calls:  # warm-up: pages touched, kernels built, plans made
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def alternating_medians(sides: dict[str, list], repeats: int) -> dict[str, float]:
+    """Per side, the median over ``repeats`` rounds of the time per call; each round runs
+    one pass of every side (each call with its own weight copy), the sides in turn."""
+    for calls in sides.values():  # warm-up: pages touched, kernels built, plans made
         for call in calls:
             call()
-        times.append((time.perf_counter() - start) / len(calls))
-    return statistics.median(times)
+    times = {label: [] for label in sides}
+    for _ in range(repeats):
+        for label, calls in sides.items():
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            times[label].append((time.perf_counter() - start) / len(calls))
+    return {label: statistics.median(values) for label, values in times.items()}
 
 
 def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from whisper_modifiers.sparse_serving.cpu_op import NO_TILES, sparse24_cpu_linear
+    from whisper_modifiers.sparse_serving.cpu_op import NO_TILES, gemm_runs, sparse24_cpu_linear
     from whisper_modifiers.sparse_serving.cpu_plans import cpu_plan, random_two_four
     from whisper_modifiers.sparse_serving.format import compress_24
 
@@ -75,22 +79,23 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> li
     dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
     compressed = [compress_24(weight) for weight in dense]
     plan = cpu_plan(rows, columns, dtype)
+    paths = {"op": (plan.tiled_from, plan.gemm_from), "rows": (NO_TILES, NO_TILES),
+             "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}  # fmt: skip
     results = []
     with torch.no_grad():
         for count in tokens:
             x = torch.randn(count, columns).to(dtype)
-            times = {}
-            for label, tiled_from in (("rows", NO_TILES), ("tiles", 0),
-                                      ("op", plan.tiled_from)):  # fmt: skip
-                calls = [lambda c=c, b=b, t=tiled_from, x=x: sparse24_cpu_linear(x, c, b, None,
-                                                                                 columns, t)
-                         for c, b in compressed]  # fmt: skip
-                times[label] = median_seconds(calls, args.repeats)
-            times["dense"] = median_seconds([lambda w=w, x=x: F.linear(x, w) for w in dense],
-                                            args.repeats)  # fmt: skip
+            sides = {"dense": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
+            for label, (tiled_from, gemm_from) in paths.items():
+                if (label == "rows" and count > args.rows_up_to) or (
+                        label == "gemm" and not gemm_runs(dtype, dtype)):  # fmt: skip
+                    continue
+                sides[label] = [lambda c=c, b=b, t=tiled_from, g=gemm_from, x=x:
+                                sparse24_cpu_linear(x, c, b, None, columns, t, g)
+                                for c, b in compressed]  # fmt: skip
+            times = alternating_medians(sides, args.repeats)
             row = {"tokens": count, "seconds": times, "copies": copies,
-                   "ratio": times["dense"] / times["op"],
-                   "op_path": "tiles" if count >= plan.tiled_from else "rows",
+                   "ratio": times["dense"] / times["op"], "op_path": plan.path(count),
                    "op_gib_per_s": rows * (columns // 2 * dtype.itemsize + -(-columns // 8))
                    / times["op"] / 2**30,
                    "dense_gib_per_s": dense_bytes / times["dense"] / 2**30}  # fmt: skip
@@ -107,20 +112,23 @@ def markdown(payload: dict) -> str:
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
              f"CPU: {payload['cpu']}", "",
              "Ratio: dense time / op time (above 1: the op is faster); the op as served "
-             "(its measured plan picks row kernels or tiles). GiB/s: weight bytes read per "
-             "second (compressed for the op).", "",
+             "(its measured plan picks row kernels, blocked GEMM or tiles). Each time is the "
+             "median of rounds that run every side in turn. GiB/s: weight bytes read per "
+             "second (compressed for the op); -: not measured (rows above "
+             f"{payload['rows_up_to']} tokens; the GEMM where it does not run).", "",
              "| model | projection | tokens | dense ms | op ms | op path | ratio | rows ms | "
-             "tiles ms | dense GiB/s | op GiB/s |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "gemm ms | tiles ms | dense GiB/s | op GiB/s |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for key, rows in payload["shapes"].items():
         model, projection = key.split("/")
         for row in rows:
             s = row["seconds"]
+            path_ms = " | ".join(f"{s[path] * 1e3:.3f}" if path in s else "-"
+                                 for path in ("rows", "gemm", "tiles"))  # fmt: skip
             lines.append(
                 f"| {model} | {projection} | {row['tokens']} | {s['dense'] * 1e3:.3f} | "
                 f"{s['op'] * 1e3:.3f} | {row['op_path']} | **{row['ratio']:.2f}×** | "
-                f"{s['rows'] * 1e3:.3f} | {s['tiles'] * 1e3:.3f} | "
-                f"{row['dense_gib_per_s']:.1f} | {row['op_gib_per_s']:.1f} |"
+                f"{path_ms} | {row['dense_gib_per_s']:.1f} | {row['op_gib_per_s']:.1f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -149,7 +157,13 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--rows-up-to",
+        type=int,
+        default=64,
+        help="largest token count at which the row kernels alone are timed",
+    )
     parser.add_argument(
         "--working-set",
         type=int,
@@ -170,7 +184,14 @@ def main(argv=None) -> int:
         return 0
     dtype = getattr(torch, args.dtype)
     stem = args.out / f"cpu_sparse24-{cpu_isa()}"
-    payload = {"cpu": cpu_line(), "dtype": args.dtype, "torch": torch.__version__, "shapes": {}}
+    payload = {
+        "cpu": cpu_line(),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "rows_up_to": args.rows_up_to,
+        "repeats": args.repeats,
+        "shapes": {},
+    }
     for model in args.shapes:
         for projection, (rows, columns) in SHAPES[model].items():
             print(f"{model} {projection}", flush=True)

@@ -12,7 +12,7 @@ profiler sees its forward passes and ``LLM.apply_model`` reaches its layers.
 
 Workloads are ``prefill:NxL`` (N random prompts of L tokens, one token generated; prompt
 tokens counted) and ``decode:NxT`` (N prompts of 16 tokens, T tokens generated each, all
-counted). Each is timed ``--repeats`` times after a warm-up; the best is reported.
+counted). Each is timed ``--repeats`` times after a warm-up; the median is reported.
 ``--profile`` profiles one more run of each workload and keeps the ops with the most self
 time (device time where there is a GPU), and the calls of the 2:4 op and of cuSPARSELt's
 GEMM with their CPU time per call (where a plan built at every eager call would show).
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -219,7 +220,7 @@ def measure(args) -> dict:
         seconds = [run_workload(llm, workload, prompts) for _ in range(args.repeats)]
         result["workloads"][workload.name] = {
             "seconds": seconds,
-            "tokens_per_s": workload.counted_tokens / min(seconds),
+            "tokens_per_s": workload.counted_tokens / statistics.median(seconds),
         }
         print(
             f"{args.label} {workload.name}: "

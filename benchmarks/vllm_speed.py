@@ -12,15 +12,20 @@ configuration, each in its own process (``vllm_engine.py``, with the serving
 environment's Python): the dense checkpoint, then the 2:4 one in each kernel ``--modes``
 (``$WHISPER_MODIFIERS_SPARSE24``: ``auto`` keeps the dense weight beside the compressed
 one, ``sparse`` the compressed one alone); each at each ``--capture-sizes`` (vLLM's
-``max_cudagraph_capture_size``, 0 for vLLM's default). Ratios are 2:4 tokens/s over dense
-tokens/s at the same capture size: above 1 is faster. Writes ``vllm_speed.md`` and
-``vllm_speed.json`` to ``--out``.
+``max_cudagraph_capture_size``, 0 for vLLM's default). The engines run ``--rounds`` times,
+in turn (dense, 2:4, dense, 2:4, ...: on a shared machine one engine's speed moves from run
+to run), and each workload's tokens/s is the median over the rounds of each engine's median
+over its ``--repeats``. Ratios are 2:4 tokens/s over dense tokens/s at the same capture
+size: above 1 is faster. RSS saved is the dense engine's resident memory after loading less
+this engine's, over the dense bytes of the 2:4 layers' weights. Writes ``vllm_speed.md``
+and ``vllm_speed.json`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, write_json  # noqa: E402
+from cpu_sparse24 import cpu_line  # noqa: E402
 from sparse_kernels import LLAMA_SIZES, decoder_linear_names, pruned_llama  # noqa: E402
 from vllm_engine import DEFAULT_WORKLOADS, check_workloads  # noqa: E402
 
@@ -89,32 +95,61 @@ def run_engine(command: list[str], out: Path, timeout: float) -> dict:
 
 
 def compare(args, python: str, payload: dict) -> None:
-    """Run every engine into ``payload["engines"]`` (keyed ``label@capture``), writing the
-    report after each, so that a run stopped at a time limit keeps the engines before."""
+    """Run every engine ``args.rounds`` times, in turn, into ``payload["engines"]`` (keyed
+    ``label@capture``, each with its ``rounds``), writing the report after each engine, so
+    that a run stopped at a time limit keeps what ran before."""
     engines = payload["engines"]
     with tempfile.TemporaryDirectory() as root:
         dense, sparse24 = build_checkpoints(Path(root), args.shape, args.layers, args.dtype)
         for capture in args.capture_sizes:
             runs = [("dense", dense, "auto")] + [(f"2:4 {mode}", sparse24, mode)
                                                  for mode in args.modes]  # fmt: skip
-            for label, checkpoint, mode in runs:
-                out = Path(root, f"{len(engines)}.json")
-                command = engine_command(python, checkpoint, label, mode, capture, args, out)
-                engines[f"{label}@{capture}"] = run_engine(command, out, args.timeout)
-                write_report(args.out, payload)
+            for _ in range(args.rounds):
+                for label, checkpoint, mode in runs:
+                    out = Path(root, f"{label.replace(' ', '-')}-{capture}.json")
+                    command = engine_command(python, checkpoint, label, mode, capture, args, out)
+                    entry = engines.setdefault(f"{label}@{capture}", {"rounds": []})
+                    entry["rounds"].append(run_engine(command, out, args.timeout))
+                    write_report(args.out, payload)
 
 
-def with_ratios(engines: dict) -> None:
-    """Each workload's tokens/s over dense's at the same capture size (None without it)."""
-    for key, result in engines.items():
-        dense = engines.get(f"dense@{key.rsplit('@', 1)[1]}", {})
+def summary(entry: dict) -> dict:
+    """One engine's rounds as one result: the first round's settings and memory, and per
+    workload the median over the rounds of its tokens/s (with every round's value);
+    ``{"error": ...}`` if a round failed."""
+    rounds = entry["rounds"]
+    failed = next((result for result in rounds if "error" in result), None)
+    if failed is not None:
+        return failed
+    result = dict(rounds[0])
+    result["rss_after_load"] = statistics.median(r["rss_after_load"] or 0 for r in rounds)
+    result["workloads"] = {}
+    for workload in rounds[0]["workloads"]:
+        rates = [r["workloads"][workload]["tokens_per_s"] for r in rounds]
+        result["workloads"][workload] = {"tokens_per_s": statistics.median(rates),
+                                         "rounds": rates}  # fmt: skip
+    return result
+
+
+def with_ratios(results: dict) -> None:
+    """Each workload's tokens/s over dense's at the same capture size (None without it),
+    and the resident memory saved against dense over the 2:4 layers' dense weight bytes."""
+    for key, result in results.items():
+        dense = results.get(f"dense@{key.rsplit('@', 1)[1]}", {})
         for workload, cell in result.get("workloads", {}).items():
             base = dense.get("workloads", {}).get(workload)
             cell["ratio"] = cell["tokens_per_s"] / base["tokens_per_s"] if base else None
+        weights = result.get("weights", {})
+        saved = None
+        if dense.get("rss_after_load") and result.get("rss_after_load") and weights.get(
+                "dense_bytes"):  # fmt: skip
+            saved = (dense["rss_after_load"] - result["rss_after_load"]) / weights["dense_bytes"]
+        result["rss_saved"] = saved
 
 
 def write_report(out: Path, payload: dict) -> str:
-    with_ratios(payload["engines"])
+    payload["results"] = {key: summary(entry) for key, entry in payload["engines"].items()}
+    with_ratios(payload["results"])
     write_json(out / "vllm_speed.json", payload)
     text = markdown(payload)
     (out / "vllm_speed.md").write_text(text)
@@ -122,7 +157,7 @@ def write_report(out: Path, payload: dict) -> str:
 
 
 def markdown(payload: dict) -> str:
-    config, engines = payload["config"], payload["engines"]
+    config, engines = payload["config"], payload["results"]
     device = next((e["device"] for e in engines.values() if "device" in e), "?")
     workloads = config["workloads"]
     lines = [
@@ -130,18 +165,21 @@ def markdown(payload: dict) -> str:
         "",
         f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/vllm_speed.py` on {device}: "
         f"{config['shape']}-shaped Llama, {config['layers']} layers, {config['dtype']}, random "
-        f"weights pruned 2:4; best of {config['repeats']}. Capture size 0 is vLLM's default "
+        f"weights pruned 2:4; {config['rounds']} rounds of the engines in turn, each workload "
+        f"the median over the rounds of each engine's median of {config['repeats']} runs. "
+        f"CPU: {payload.get('cpu', '?')}. Capture size 0 is vLLM's default "
         "`max_cudagraph_capture_size`. Ratios are tokens/s over dense at the same capture "
-        "size; weights are what the 2:4 layers hold over their dense bytes.",
+        "size; weights are what the 2:4 layers hold over their dense bytes; RSS saved is "
+        "dense's resident memory after load less this engine's, over those dense bytes.",
         "",
         "| engine | capture | CUDA graphs ≤ / step ≤ (tokens) | weights | RSS after load "
-        "(GiB) | " + " | ".join(workloads) + " |",
-        "|---|---|---|---|---|" + "---|" * len(workloads),
+        "(GiB) | RSS saved | " + " | ".join(workloads) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(workloads),
     ]
     for key, result in engines.items():
         label, capture = key.rsplit("@", 1)
         if "error" in result:
-            lines.append(f"| {label} | {capture} | failed: {result['error']} | | |"
+            lines.append(f"| {label} | {capture} | failed: {result['error']} | | | |"
                          + " |" * len(workloads))  # fmt: skip
             continue
         ratio = result["weights"].get("ratio")
@@ -159,7 +197,8 @@ def markdown(payload: dict) -> str:
                  f"{graphs['max_num_batched_tokens']}")  # fmt: skip
         rss = result.get("rss_after_load")
         rss = "–" if rss is None else f"{rss / 2**30:.2f}"
-        lines.append(f"| {label} | {capture} | {steps} | {weights} | {rss} | "
+        saved = "–" if result.get("rss_saved") is None else f"{result['rss_saved']:.2f}×"
+        lines.append(f"| {label} | {capture} | {steps} | {weights} | {rss} | {saved} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     lines += profile_markdown(engines)
     return "\n".join(lines) + "\n"
@@ -193,14 +232,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="times every engine runs, the engines in turn (medians)",
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--timeout", type=float, default=ENGINE_TIMEOUT)
     parser.add_argument("--python", default=None, help="the serving environment's Python")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     check_workloads(parser, args.workloads)
-    if args.layers < 1 or args.repeats < 1 or min(args.capture_sizes) < 0:
-        parser.error("--layers and --repeats must be at least 1, --capture-sizes at least 0")
+    if args.layers < 1 or args.repeats < 1 or args.rounds < 1 or min(args.capture_sizes) < 0:
+        parser.error(
+            "--layers, --repeats and --rounds must be at least 1, --capture-sizes at least 0"
+        )
     return args
 
 
@@ -209,10 +256,14 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     python = str(serving_python(args.python))
-    payload = {"config": vars(args) | {"out": str(args.out), "python": python}, "engines": {}}
+    payload = {
+        "config": vars(args) | {"out": str(args.out), "python": python},
+        "cpu": cpu_line(),
+        "engines": {},
+    }
     compare(args, python, payload)
     print(write_report(args.out, payload))
-    return 0 if all("error" not in e for e in payload["engines"].values()) else 1
+    return 0 if all("error" not in e for e in payload["results"].values()) else 1
 
 
 if __name__ == "__main__":

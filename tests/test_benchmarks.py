@@ -186,6 +186,14 @@ def test_workloads_count_the_tokens_they_time():
     assert (decode.prompt_len, decode.max_tokens, decode.counted_tokens) == (16, 256, 16384)
 
 
+def engine_result(tokens_per_s: float, rss_gib: float, dense_bytes: int = 0) -> dict:
+    return {"device": "H100", "weights": {"ratio": None, "packed_layers": 0,
+                                          "dense_bytes": dense_bytes},
+            "graphs": {"max_cudagraph_capture_size": 2048, "max_num_batched_tokens": 8192},
+            "workloads": {"decode:2x8": {"tokens_per_s": tokens_per_s, "seconds": [0.16]}},
+            "profiles": {}, "rss_after_load": rss_gib * 2**30}  # fmt: skip
+
+
 def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
     """Each engine's result is written as it comes, with its ratio against dense, so that
     a GPU run stopped by its time limit (here during the second engine) keeps the first."""
@@ -195,10 +203,7 @@ def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
         if "sparse" in command:
             raise KeyboardInterrupt  # the limit's kill
         assert command[command.index("--max-cudagraph-capture-size") + 1] == "2048"
-        return {"device": "H100", "weights": {"ratio": None, "packed_layers": 0},
-                "graphs": {"max_cudagraph_capture_size": 2048, "max_num_batched_tokens": 8192},
-                "workloads": {"decode:2x8": {"tokens_per_s": 100.0, "seconds": [0.16]}},
-                "profiles": {}, "rss_after_load": 3 * 2**30}  # fmt: skip
+        return engine_result(100.0, 3)
 
     monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
     argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--modes", "sparse",
@@ -206,11 +211,35 @@ def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
             "--out", str(tmp_path)]  # fmt: skip
     with pytest.raises(KeyboardInterrupt):
         vllm_speed.main(argv)
-    engines = json.loads((tmp_path / "vllm_speed.json").read_text())["engines"]
-    assert list(engines) == ["dense@2048"] and engines["dense@2048"]["workloads"]["decode:2x8"][
+    results = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]
+    assert list(results) == ["dense@2048"] and results["dense@2048"]["workloads"]["decode:2x8"][
         "ratio"] == 1.0  # fmt: skip
     table = (tmp_path / "vllm_speed.md").read_text()
-    assert "| dense | 2048 | 2048 / 8192 | – | 3.00 | 100 |" in table
+    assert "| dense | 2048 | 2048 / 8192 | – | 3.00 | – | 100 |" in table
+
+
+def test_vllm_speed_alternates_the_engines_and_takes_medians(tmp_path, monkeypatch):
+    """Three rounds of dense then 2:4: each engine's tokens/s is the median of its rounds
+    (one slow round does not move it), the ratio is of those medians, and the resident
+    memory saved is counted against the 2:4 layers' dense weight bytes."""
+    import vllm_speed
+
+    order, rates = [], {"dense": iter([100.0, 60.0, 110.0]), "2:4": iter([150.0, 160.0, 90.0])}
+
+    def run_engine(command, out, timeout):
+        label = command[command.index("--label") + 1].split()[0]
+        order.append(label)
+        return engine_result(next(rates[label]), 3.0 if label == "dense" else 2.5, 2**30)
+
+    monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
+    argv = ["--shape", "tiny", "--layers", "1", "--modes", "sparse", "--workloads",
+            "decode:2x8", "--python", sys.executable, "--out", str(tmp_path)]  # fmt: skip
+    assert vllm_speed.main(argv) == 0
+    assert order == ["dense", "2:4"] * 3
+    results = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]
+    cell = results["2:4 sparse@0"]["workloads"]["decode:2x8"]
+    assert cell["tokens_per_s"] == 150.0 and cell["ratio"] == 1.5
+    assert results["2:4 sparse@0"]["rss_saved"] == 0.5
 
 
 def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):

@@ -27,6 +27,7 @@ from whisper_modifiers.sparse_serving.cpu_op import (
     cpu_isa,
     cpu_kernels_unavailable,
     decompress_cpu,
+    gemm_runs,
     reference_linear,
     set_cpu_isa,
     sparse24_cpu_linear,
@@ -42,7 +43,7 @@ if cpu_kernels_unavailable():
 # four and its remainder, a 7B-like input size and a tensor-parallel half of it
 SHAPES = [(1, 4), (5, 12), (16, 32), (33, 100), (64, 132), (7, 36), (130, 260), (17, 4100),
           (8, 2048)]  # fmt: skip
-TOKENS = [1, 2, 3, 4, 5, 9, 16, 33, 64]
+TOKENS = [1, 2, 3, 4, 5, 9, 16, 33, 64, 100]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -89,14 +90,18 @@ def test_decompress_kernel_equals_the_format(isa, dtype):
         assert torch.equal(decompress_24(compressed, bitmask, (rows, columns)), weight)
 
 
+# (tiled_from, gemm_from) of each path: the GEMM runs where gemm_runs says, the rows elsewhere
+PATHS = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
+
+
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 @pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("path", ["rows", "tiles"])
+@pytest.mark.parametrize("path", list(PATHS))
 def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
-    """Row kernels: float32 sums of exact products, rounded once to ``x``'s dtype. Tiles:
-    the dense GEMM with the bias, in bfloat16 for bfloat16 weights where the kernels are
-    ``avx512_bf16`` (``x`` rounded to it, the result rounded once to it, then to ``x``'s
-    dtype), else in float32 as the row kernels sum."""
+    """Row kernels and the blocked GEMM: float32 sums of exact products, the bias added,
+    rounded once to ``x``'s dtype. Tiles: the dense GEMM with the bias, in bfloat16 for
+    bfloat16 weights where the kernels are ``avx512_bf16`` (``x`` rounded to it, the result
+    rounded once to it, then to ``x``'s dtype), else in float32 as the row kernels sum."""
     generator = torch.Generator().manual_seed(1)
     for rows, columns in SHAPES:
         weight = integer_two_four(rows, columns, weight_dtype, generator)
@@ -108,8 +113,7 @@ def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
             exact_in = torch.bfloat16 if bf16_tiles else x_dtype
             exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
             expected = exact.to(exact_in).to(x_dtype)
-            got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns,
-                                      NO_TILES if path == "rows" else 0)  # fmt: skip
+            got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, *PATHS[path])
             assert got.dtype == x_dtype and got.shape == (tokens, rows)
             assert torch.equal(got, expected), (rows, columns, tokens)
 
@@ -128,8 +132,9 @@ def test_op_follows_the_reference_on_real_values(isa, dtype):
             bias = torch.randn(rows, generator=generator).to(dtype) if tokens % 2 else None
             reference = reference_linear(x, compressed, bitmask, bias, columns, torch.float64)
             scale = x.double().abs() @ weight.double().abs().t() + 1
-            for tiled_from in (NO_TILES, 64):
-                got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, tiled_from)
+            for tiled_from, gemm_from in PATHS.values():
+                got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, tiled_from,
+                                          gemm_from)  # fmt: skip
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + eps * reference.abs()).all(), (tokens, columns)
 
@@ -155,8 +160,9 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     compressed, bitmask = compress_24(weight)
     x = torch.randn(5, 128).to(torch.bfloat16)
     op = torch.ops.whisper_sparse24_cpu.linear.default
-    torch.library.opcheck(op, (x, compressed, bitmask, None, 128, NO_TILES),
-                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    for tiled_from, gemm_from in PATHS.values():
+        torch.library.opcheck(op, (x, compressed, bitmask, None, 128, gemm_from, tiled_from),
+                              test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
     def layer(x):
         return torch.nn.functional.silu(sparse24_cpu_linear(x, compressed, bitmask, None, 128))
@@ -165,15 +171,49 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     assert torch.equal(compiled(x), layer(x))
 
 
-def test_plan_takes_tiles_from_where_they_stop_losing():
-    points = [(1, 1.0, 3.0, 1.5), (4, 2.0, 3.0, 2.0), (16, 4.0, 3.5, 3.0), (64, 9.0, 5.0, 4.0)]
-    timings = [{"tokens": t, "rows_s": r, "tiles_s": s, "dense_s": d} for t, r, s, d in points]
+def timings_table(points: list[tuple]) -> list[dict]:
+    """``(tokens, rows, gemm, tiles, dense)`` seconds per ladder point (gemm None: it does
+    not run)."""
+    return [{"tokens": t, "rows_s": r, "gemm_s": g, "tiles_s": s, "dense_s": d}
+            for t, r, g, s, d in points]  # fmt: skip
+
+
+def test_plan_runs_each_token_count_on_the_path_that_won_there():
+    timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (4, 2.0, 3.0, 3.0, 2.0),
+                             (16, 4.0, 3.5, 5.0, 3.0), (64, 9.0, 5.0, 6.0, 4.0),
+                             (256, 30.0, 20.0, 15.0, 14.0)])  # fmt: skip
     plan = plan_from_timings(timings)
-    assert plan.tiled_from == 16 and plan.faster_at_decode
-    timings[3]["tiles_s"] = 10.0  # tiles lose again at the top: never tiles
-    timings[0]["rows_s"] = 2.0  # slower than dense at one token
+    assert (plan.gemm_from, plan.tiled_from, plan.faster_at_decode) == (16, 256, True)
+    assert [plan.path(t) for t in (1, 15, 16, 255, 256, 4096)] == [
+        "rows", "rows", "gemm", "gemm", "tiles", "tiles"]  # fmt: skip
+    assert plan.speedups[0] == (1, 2.0) and plan.speedups[2] == (16, 3.0 / 3.5)
+    assert "gemm from 16" in plan.describe() and "tiles from 256" in plan.describe()
+    timings[4]["tiles_s"] = 19.5  # faster than the GEMM, but within its margin: the GEMM keeps it
+    assert plan_from_timings(timings).tiled_from == NO_TILES
+    timings[4]["tiles_s"] = 25.0  # tiles lose at the top: never tiles, the GEMM to the end
+    timings[0]["rows_s"] = 2.5  # slower than dense at one token
     plan = plan_from_timings(timings)
-    assert plan.tiled_from == NO_TILES and not plan.faster_at_decode
+    assert (plan.gemm_from, plan.tiled_from, plan.faster_at_decode) == (16, NO_TILES, False)
+    timings[2]["gemm_s"] = 4.5  # the GEMM loses at 16 tokens: from 64, after its last loss
+    assert plan_from_timings(timings).gemm_from == 64
+
+
+def test_plan_without_the_gemm_keeps_rows_and_tiles():
+    """Where the GEMM does not run (no avx512_bf16, or float32), the plan has rows and tiles."""
+    timings = timings_table([(1, 1.0, None, 3.0, 1.5), (4, 2.0, None, 3.0, 2.0),
+                             (16, 4.0, None, 3.5, 3.0), (64, 9.0, None, 5.0, 4.0)])  # fmt: skip
+    plan = plan_from_timings(timings)
+    assert (plan.gemm_from, plan.tiled_from, plan.faster_at_decode) == (NO_TILES, 16, True)
+    assert "gemm" not in plan.describe()
+
+
+def test_the_gemm_runs_bfloat16_on_avx512_bf16_only(isa):
+    """gemm_runs follows the kernels: a token count given to the GEMM elsewhere takes the
+    row kernels (the same bits as the rows path)."""
+    expected = isa == "avx512_bf16"
+    assert gemm_runs(torch.bfloat16, torch.bfloat16) is expected
+    assert not gemm_runs(torch.float32, torch.bfloat16)
+    assert not gemm_runs(torch.float32, torch.float32)
 
 
 def test_a_machine_that_cannot_build_says_why_in_one_line(tmp_path):
@@ -197,7 +237,8 @@ def test_avx512_kernels_are_right_on_any_cpu(tmp_path):
     kernels' lanes, masks and tails are checked on CPUs without AVX-512 too."""
     native = Path(__file__).with_name("native")
     sources = [native / "check_kernels.cpp", SOURCE_DIR / "sparse24_avx512.cpp",
-               SOURCE_DIR / "sparse24_avx512_bf16.cpp"]  # fmt: skip
+               SOURCE_DIR / "sparse24_avx512_bf16.cpp",
+               SOURCE_DIR / "sparse24_avx512_bf16_gemm.cpp"]  # fmt: skip
     command = [cpu_build._compiler(), "-O1", "-std=c++17", "-I", str(SOURCE_DIR), "-I",
                str(native), "-DWS_EMULATE_INTRINSICS=\"avx512_emulation.h\"",
                *map(str, sources), "-o", str(tmp_path / "check")]  # fmt: skip
@@ -216,14 +257,15 @@ def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):
 
     def measure(out_features, in_features, dtype):
         measured.append(cpu_plans.loaded_build_key())
-        return cpu_plans.CpuPlan(16, True), []
+        return cpu_plans.CpuPlan(16, True, 4, ((1, 2.0),)), []
 
     monkeypatch.setenv("WHISPER_MODIFIERS_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_plans, "measure_cpu_plan", measure)
     monkeypatch.setattr(cpu_plans, "_known", {})
-    assert cpu_plans.cpu_plan(8, 32, torch.float32) == cpu_plans.CpuPlan(16, True)
-    monkeypatch.setattr(cpu_plans, "_known", {})  # a new process: from the file
-    cpu_plans.cpu_plan(8, 32, torch.float32)
+    plan = cpu_plans.CpuPlan(16, True, 4, ((1, 2.0),))
+    assert cpu_plans.cpu_plan(8, 32, torch.float32) == plan
+    monkeypatch.setattr(cpu_plans, "_known", {})  # a new process: from the file, the same plan
+    assert cpu_plans.cpu_plan(8, 32, torch.float32) == plan
     assert len(measured) == 1
     monkeypatch.setattr(cpu_plans, "loaded_build_key", lambda: "another build")
     cpu_plans.cpu_plan(8, 32, torch.float32)

@@ -8,9 +8,14 @@
 #include <cstring>
 
 struct __m512 { float f[16]; };
+struct __m512d { double d[8]; };
 struct __m512i { union { uint8_t u8[64]; uint16_t u16[32]; uint32_t u32[16]; }; };
+struct __m256 { float f[8]; };
 struct __m256i { union { uint8_t u8[32]; uint16_t u16[16]; }; };
+struct __m128i { union { uint8_t u8[16]; uint16_t u16[8]; }; };
 typedef __m512i __m512bh;  // 32 bfloat16 lanes
+typedef __m256i __m256bh;  // 16 bfloat16 lanes
+typedef uint8_t __mmask8;
 typedef uint16_t __mmask16;
 typedef uint32_t __mmask32;
 
@@ -118,4 +123,170 @@ inline __m512 _mm512_dpbf16_ps(__m512 acc, __m512bh a, __m512bh b) {
     acc.f[i] += bf16_to_float(a.u16[2 * i]) * bf16_to_float(b.u16[2 * i]);
   }
   return acc;
+}
+
+// ---- plain loads and casts (the upper lanes of a widening cast are zero here; the kernels
+// never read them)
+inline __m256i _mm256_loadu_si256(const void* p) {
+  __m256i r;
+  std::memcpy(r.u8, p, 32);
+  return r;
+}
+
+inline __m128i _mm_loadu_si128(const void* p) {
+  __m128i r;
+  std::memcpy(r.u8, p, 16);
+  return r;
+}
+
+inline __m256 _mm256_loadu_ps(const void* p) {
+  __m256 r;
+  std::memcpy(r.f, p, 32);
+  return r;
+}
+
+inline __m128i _mm_maskz_loadu_epi16(__mmask8 k, const void* p) {
+  __m128i r{};
+  for (int i = 0; i < 8; ++i)
+    if (k >> i & 1) std::memcpy(&r.u16[i], static_cast<const uint16_t*>(p) + i, 2);
+  return r;
+}
+
+inline __m512i _mm512_castsi256_si512(__m256i a) {
+  __m512i r{};
+  std::memcpy(r.u8, a.u8, 32);
+  return r;
+}
+
+inline __m256i _mm256_castsi128_si256(__m128i a) {
+  __m256i r{};
+  std::memcpy(r.u8, a.u8, 16);
+  return r;
+}
+
+inline __m512 _mm512_castps256_ps512(__m256 a) {
+  __m512 r{};
+  std::memcpy(r.f, a.f, 32);
+  return r;
+}
+
+inline __m512d _mm512_castps_pd(__m512 a) {
+  __m512d r;
+  std::memcpy(r.d, a.f, 64);
+  return r;
+}
+
+inline __m512 _mm512_castpd_ps(__m512d a) {
+  __m512 r;
+  std::memcpy(r.f, a.d, 64);
+  return r;
+}
+
+inline __m512i _mm512_setzero_si512() { return __m512i{}; }
+
+inline __m512i _mm512_set1_epi32(int value) {
+  __m512i r;
+  for (int i = 0; i < 16; ++i) r.u32[i] = uint32_t(value);
+  return r;
+}
+
+inline void _mm512_storeu_si512(void* p, __m512i a) { std::memcpy(p, a.u8, 64); }
+
+inline void _mm512_storeu_ps(void* p, __m512 a) { std::memcpy(p, a.f, 64); }
+
+inline void _mm256_mask_storeu_epi16(void* p, __mmask16 k, __m256i a) {
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(static_cast<uint16_t*>(p) + i, &a.u16[i], 2);
+}
+
+// ---- expands in registers: the low elements of `a`, in order, to the lanes `k` marks
+inline __m512i _mm512_maskz_expand_epi16(__mmask32 k, __m512i a) {
+  __m512i r{};
+  for (int i = 0, j = 0; i < 32; ++i)
+    if (k >> i & 1) r.u16[i] = a.u16[j++];
+  return r;
+}
+
+inline __m256i _mm256_maskz_expand_epi16(__mmask16 k, __m256i a) {
+  __m256i r{};
+  for (int i = 0, j = 0; i < 16; ++i)
+    if (k >> i & 1) r.u16[i] = a.u16[j++];
+  return r;
+}
+
+inline __m512 _mm512_maskz_expand_ps(__mmask16 k, __m512 a) {
+  __m512 r{};
+  for (int i = 0, j = 0; i < 16; ++i)
+    if (k >> i & 1) r.f[i] = a.f[j++];
+  return r;
+}
+
+// ---- arithmetic and shuffles of the blocked GEMM's stores
+inline __m512 _mm512_add_ps(__m512 a, __m512 b) {
+  for (int i = 0; i < 16; ++i) a.f[i] += b.f[i];
+  return a;
+}
+
+inline __m512 _mm512_unpacklo_ps(__m512 a, __m512 b) {  // per 128-bit lane: a0 b0 a1 b1
+  __m512 r;
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < 2; ++i) {
+      r.f[4 * lane + 2 * i] = a.f[4 * lane + i];
+      r.f[4 * lane + 2 * i + 1] = b.f[4 * lane + i];
+    }
+  return r;
+}
+
+inline __m512 _mm512_unpackhi_ps(__m512 a, __m512 b) {  // per 128-bit lane: a2 b2 a3 b3
+  __m512 r;
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < 2; ++i) {
+      r.f[4 * lane + 2 * i] = a.f[4 * lane + 2 + i];
+      r.f[4 * lane + 2 * i + 1] = b.f[4 * lane + 2 + i];
+    }
+  return r;
+}
+
+inline __m512d _mm512_unpacklo_pd(__m512d a, __m512d b) {  // per 128-bit lane: a0 b0
+  __m512d r;
+  for (int lane = 0; lane < 4; ++lane) {
+    r.d[2 * lane] = a.d[2 * lane];
+    r.d[2 * lane + 1] = b.d[2 * lane];
+  }
+  return r;
+}
+
+inline __m512d _mm512_unpackhi_pd(__m512d a, __m512d b) {  // per 128-bit lane: a1 b1
+  __m512d r;
+  for (int lane = 0; lane < 4; ++lane) {
+    r.d[2 * lane] = a.d[2 * lane + 1];
+    r.d[2 * lane + 1] = b.d[2 * lane + 1];
+  }
+  return r;
+}
+
+// 128-bit lanes: two of a (chosen by imm bits 0-3), then two of b (bits 4-7)
+inline __m512 _mm512_shuffle_f32x4(__m512 a, __m512 b, int imm) {
+  __m512 r;
+  for (int lane = 0; lane < 4; ++lane) {
+    const __m512& from = lane < 2 ? a : b;
+    const int pick = (imm >> (2 * lane)) & 3;
+    std::memcpy(&r.f[4 * lane], &from.f[4 * pick], 16);
+  }
+  return r;
+}
+
+// vcvtneps2bf16: round to nearest even (a NaN stays a quiet NaN)
+inline __m256bh _mm512_cvtneps_pbh(__m512 a) {
+  __m256bh r;
+  for (int i = 0; i < 16; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &a.f[i], 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
+      r.u16[i] = uint16_t((bits >> 16) | 0x40);
+    } else {
+      r.u16[i] = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
+    }
+  }
+  return r;
 }

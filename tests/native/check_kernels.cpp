@@ -1,6 +1,7 @@
 // The AVX-512 kernels of the 2:4 CPU op, built with avx512_emulation.h, against a scalar
 // reference on integer values (every product and float32 sum exact, so equality is the test):
-// every shape of tails and row groups, 1 to 9 tokens, float32 and bfloat16 weights.
+// every shape of tails and row groups, 1 to 9 tokens, float32 and bfloat16 weights; and the
+// blocked GEMM with its packing of x, at token counts around its chunks, with a bias.
 // Prints one line per failure and exits 1 on any; test_cpu_kernels.py builds and runs it.
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +19,12 @@ uint16_t to_bf16(float value) {  // exact for the small integers used here
   uint32_t bits;
   std::memcpy(&bits, &value, 4);
   return uint16_t(bits >> 16);
+}
+
+uint16_t round_bf16(float value) {  // to nearest even (the sums here are finite)
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
 }
 
 struct Layer {
@@ -126,13 +133,67 @@ void check_layer(const Layer& layer, std::mt19937& draw) {
   }
 }
 
+// gemm_avx512_bf16 over x packed by pack_pairs_avx512_bf16 (in two parts where there are two),
+// for rows [begin, rows): y = bfloat16(x W^T + bias), rows before `begin` untouched.
+void check_gemm(const Layer& layer, std::mt19937& draw) {
+  const int64_t rows = layer.rows, columns = layer.columns;
+  const int64_t padded_k = (columns + 31) / 32 * 32;
+  std::uniform_int_distribution<int> value(-3, 3);
+  for (int64_t tokens : {1, 3, 16, 17, 70}) {
+    const int64_t chunks = (tokens + kGemmChunk - 1) / kGemmChunk;
+    std::vector<float> x(tokens * columns), bias(rows);
+    std::vector<uint16_t> x_bf16(tokens * columns);
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = float(value(draw));
+      x_bf16[i] = to_bf16(x[i]);
+    }
+    for (auto& b : bias) b = float(value(draw));
+    std::vector<float> pairs(chunks * padded_k / 2 * kGemmChunk, -7.0f);
+    const int64_t split = padded_k / 2 > 16 ? 16 : padded_k / 2;
+    pack_pairs_avx512_bf16({x_bf16.data(), columns, tokens, columns, pairs.data(), 0, split});
+    pack_pairs_avx512_bf16({x_bf16.data(), columns, tokens, columns, pairs.data(), split,
+                            padded_k / 2});
+    bool packed = true;
+    for (int64_t p = 0; p < padded_k / 2; ++p)
+      for (int64_t t = 0; t < chunks * kGemmChunk; ++t) {
+        uint32_t want = 0, got;
+        for (int half = 0; half < 2; ++half)
+          if (t < tokens && 2 * p + half < columns)
+            want |= uint32_t(x_bf16[t * columns + 2 * p + half]) << (16 * half);
+        const int64_t at = (t / kGemmChunk * (padded_k / 2) + p) * kGemmChunk + t % kGemmChunk;
+        std::memcpy(&got, &pairs[at], 4);
+        packed &= got == want;
+      }
+    expect(packed, "pack_pairs_avx512_bf16", rows, columns, tokens);
+    for (int64_t begin : {int64_t(0), rows > 16 ? int64_t(16) : int64_t(0)}) {
+      std::vector<uint16_t> y(tokens * rows, 0xFFFF);
+      gemm_avx512_bf16({reinterpret_cast<const uint32_t*>(pairs.data()), layer.kept_bf16.data(), layer.bitmask.data(), bias.data(), y.data(),
+                        rows, tokens, columns, begin, rows});
+      bool same = true;
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t n = 0; n < rows; ++n) {
+          float sum = bias[n];
+          for (int64_t k = 0; k < columns; ++k)
+            sum += x[t * columns + k] * layer.dense[n * columns + k];
+          same &= y[t * rows + n] == (n < begin ? 0xFFFF : round_bf16(sum));
+        }
+      expect(same, "gemm_avx512_bf16", rows, columns, tokens);
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
   std::mt19937 draw(0);
   const int64_t shapes[][2] = {{1, 4},   {5, 12},   {16, 32}, {33, 100}, {64, 132}, {7, 36},
                                {9, 64},  {3, 28},   {4, 44},  {6, 60},   {130, 260}, {5, 4100}};
-  for (const auto& shape : shapes) check_layer(random_layer(shape[0], shape[1], draw), draw);
+  for (const auto& shape : shapes) {
+    const Layer layer = random_layer(shape[0], shape[1], draw);
+    check_layer(layer, draw);
+    check_gemm(layer, draw);
+  }
+  check_gemm(random_layer(100, 4160, draw), draw);  // a second block of rows and of inputs
   std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
   return failures ? 1 : 0;
 }

@@ -1,6 +1,6 @@
 """2:4 Linear layers that stay compressed on the CPU: ``CpuSparse24Linear`` runs the CPU op
-(``cpu_op``) on a layer's ``compressed`` and ``bitmask`` tensors, with the ``tiled_from``
-of its shape's measured plan (``cpu_plans``). The vLLM plugin holds one per 2:4 layer
+(``cpu_op``) on a layer's ``compressed`` and ``bitmask`` tensors, on the paths of its
+shape's measured plan (``cpu_plans``). The vLLM plugin holds one per 2:4 layer
 (``vllm_layers``), and transformers' loader puts one in place of each 2:4 ``nn.Linear``
 (``transformers_quantizer``). ``cpu_serving_kernel`` says whether a layer gets one here.
 
@@ -16,7 +16,7 @@ from whisper_modifiers.sparse_serving.cpu_op import (
     cpu_kernels_unavailable,
     sparse24_cpu_linear,
 )
-from whisper_modifiers.sparse_serving.cpu_plans import cpu_plan
+from whisper_modifiers.sparse_serving.cpu_plans import CpuPlan, cpu_plan
 from whisper_modifiers.sparse_serving.format import check_compressed
 from whisper_modifiers.sparse_serving.kernels import kernel_mode
 
@@ -31,7 +31,7 @@ class CpuSparse24Linear(torch.nn.Module):
 
     def __init__(self, out_features: int, in_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32, device=None,
-                 tiled_from: int | None = None):  # fmt: skip
+                 plan: CpuPlan | None = None):  # fmt: skip
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         self.compressed = torch.nn.Parameter(
@@ -48,40 +48,40 @@ class CpuSparse24Linear(torch.nn.Module):
         self.bias = None
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
-        self.tiled_from = tiled_from
+        self.plan = plan
 
     @classmethod
     def from_compressed(cls, compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int,
-                        name: str = "weight", tiled_from: int | None = None):  # fmt: skip
+                        name: str = "weight", plan: CpuPlan | None = None):  # fmt: skip
         """A module over loaded tensors, after ``format.check_compressed`` (the op reads the
         kept values of 32 inputs at ``k / 2``: every group must mark exactly two)."""
         check_compressed(compressed, bitmask, (compressed.shape[0], in_features), name)
         module = cls(compressed.shape[0], in_features, dtype=compressed.dtype, device="meta",
-                     tiled_from=tiled_from)  # fmt: skip
+                     plan=plan)  # fmt: skip
         module.compressed = torch.nn.Parameter(compressed.contiguous(), requires_grad=False)
         module.bitmask = torch.nn.Parameter(bitmask.contiguous(), requires_grad=False)
         module.shape = torch.nn.Parameter(torch.tensor([[compressed.shape[0]], [in_features]]),
                                           requires_grad=False)  # fmt: skip
         return module
 
-    def plan_tiles(self) -> None:
-        """``tiled_from`` from the measured plan of this shape and dtype (``cpu_plans``)."""
-        plan = cpu_plan(self.out_features, self.in_features, self.compressed.dtype)
-        self.tiled_from = plan.tiled_from
+    def plan_paths(self) -> CpuPlan:
+        """The measured plan of this shape and dtype (``cpu_plans``), kept."""
+        self.plan = cpu_plan(self.out_features, self.in_features, self.compressed.dtype)
+        return self.plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
-        if self.tiled_from is None:
-            self.plan_tiles()
+        plan = self.plan or self.plan_paths()
         return sparse24_cpu_linear(x, self.compressed, self.bitmask, bias, self.in_features,
-                                   self.tiled_from)  # fmt: skip
+                                   plan.tiled_from, plan.gemm_from)  # fmt: skip
 
     def extra_repr(self) -> str:
+        paths = "paths not measured yet" if self.plan is None else self.plan.describe()
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"compressed 2:4, tiles from {self.tiled_from} tokens")  # fmt: skip
+                f"compressed 2:4, {paths}")  # fmt: skip
 
 
 def cpu_serving_refusal(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -107,5 +107,4 @@ def cpu_serving_kernel(compressed: torch.Tensor, bitmask: torch.Tensor, in_featu
     plan = cpu_plan(compressed.shape[0], in_features, compressed.dtype)
     if kernel_mode() == "auto" and not plan.faster_at_decode:
         return None
-    return CpuSparse24Linear.from_compressed(compressed, bitmask, in_features, name,
-                                             plan.tiled_from)  # fmt: skip
+    return CpuSparse24Linear.from_compressed(compressed, bitmask, in_features, name, plan)

@@ -4,13 +4,21 @@ holding the dense weight.
 
 ``torch.ops.whisper_sparse24_cpu.linear`` (``cpu_kernels/sparse24_op.cpp``, built and
 loaded by ``cpu_build``) takes bfloat16 or float32 activations and weights, any number of
-tokens and any input size that is a multiple of 4. Below ``tiled_from`` tokens (decode,
-memory-bound) its row kernels expand the kept values in registers: AVX-512 expand-loads
-(VBMI2), with AVX512_BF16's dot product for bfloat16, or a shuffle table on AVX2; from
-``tiled_from`` on (prefill, compute-bound) it expands about 1 MiB of weight rows at a time
-and hands them to ATen's dense GEMM (oneDNN). The kernels are chosen at run time from the
-CPU's flags (``cpu_isa``; ``set_cpu_isa`` caps them, for tests). ``reference_linear`` is
-the pure-torch reference the tests compare the op with.
+tokens and any input size that is a multiple of 4, on one of three paths by the number of
+tokens (the thresholds are ``cpu_plans``' measurements):
+
+* below ``gemm_from`` (decode, memory-bound), its row kernels expand the kept values in
+  registers: AVX-512 expands (VBMI2), with AVX512_BF16's dot product for bfloat16, or a
+  shuffle table on AVX2;
+* from ``gemm_from`` (batched decode, prefill), for bfloat16 on ``avx512_bf16`` kernels
+  (``gemm_runs``), its blocked GEMM expands each block of weight rows once into a buffer
+  that a register-blocked ``vdpbf16ps`` micro-kernel runs every token over;
+* from ``tiled_from``, it expands about 1 MiB of weight rows at a time and hands them to
+  ATen's dense GEMM (oneDNN: AMX where the CPU has it).
+
+The kernels are chosen at run time from the CPU's flags (``cpu_isa``; ``set_cpu_isa``
+caps them, for tests). ``reference_linear`` is the pure-torch reference the tests compare
+the op with.
 
 Imports only torch (and this subpackage).
 """
@@ -31,6 +39,7 @@ __all__ = [
     "cpu_isa",
     "cpu_kernels_unavailable",
     "decompress_cpu",
+    "gemm_runs",
     "reference_linear",
     "set_cpu_isa",
     "sparse24_cpu_linear",
@@ -58,7 +67,7 @@ def _ops():
 
 def _register_fake() -> None:
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::linear")
-    def _(x, compressed, bitmask, bias, in_features, tiled_from):
+    def _(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from):
         return x.new_empty(*x.shape[:-1], compressed.shape[0])
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::decompress")
@@ -83,11 +92,20 @@ def set_cpu_isa(name: str) -> None:
         _ops().set_isa(name)
 
 
+def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """Whether the op's blocked GEMM runs ``x_dtype`` activations with ``weight_dtype``
+    weights here: bfloat16 both, on the ``avx512_bf16`` kernels (elsewhere the token counts
+    given to it run the row kernels)."""
+    return cpu_isa() == "avx512_bf16" and x_dtype == weight_dtype == torch.bfloat16
+
+
 def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
-                        bias: torch.Tensor | None, in_features: int,
-                        tiled_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
-    """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op)."""
-    return _ops().linear(x, compressed, bitmask, bias, in_features, tiled_from)
+                        bias: torch.Tensor | None, in_features: int, tiled_from: int = NO_TILES,
+                        gemm_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
+    """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op): the
+    row kernels below ``gemm_from`` tokens, the blocked GEMM from it (where it runs:
+    ``gemm_runs``), the tiles from ``tiled_from``."""
+    return _ops().linear(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from)
 
 
 def decompress_cpu(compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int):

@@ -2,11 +2,15 @@
 CPU, build of the op (its sources, torch, compiler), kernel set and thread count, and cached
 on disk (as ``dispatch_plans`` does for GPUs).
 
-Two things are measured on a random 2:4 weight of the layer's shape, at each
-``TOKEN_LADDER`` count: the op's row kernels against its tiled path (which token count the
-tiles take over from: ``tiled_from``), and the op against the dense ``F.linear`` of the
-same weight at one token (``faster_at_decode``: where the op loses there, the ``auto``
-kernel mode serves the layer dense, decompressed).
+On a random 2:4 weight of the layer's shape, at each ``TOKEN_LADDER`` count, the op's three
+paths are timed against each other and against the dense ``F.linear`` of the same weight:
+its row kernels, its blocked GEMM (``gemm_runs``: bfloat16 on ``avx512_bf16`` kernels) and
+its tiles (ATen's GEMM on expanded tiles). The plan runs each token count on the path that
+won there (``gemm_from``, ``tiled_from``; the tiles, which stand for ATen's GEMM and so
+for AMX where the CPU has it, must win by ``TILES_MARGIN``), and says whether the op beat
+dense at one token (``faster_at_decode``: where it lost, the ``auto`` kernel mode serves
+the layer dense, decompressed). The paths of a point are timed in turn, round after round,
+and each takes its median: noise on a shared machine then moves every path alike.
 
 Imports only torch (and this subpackage).
 """
@@ -25,24 +29,51 @@ import torch
 import torch.nn.functional as F
 
 from whisper_modifiers.sparse_serving.cpu_build import loaded_build_key
-from whisper_modifiers.sparse_serving.cpu_op import NO_TILES, cpu_isa, sparse24_cpu_linear
+from whisper_modifiers.sparse_serving.cpu_op import (
+    NO_TILES,
+    cpu_isa,
+    gemm_runs,
+    sparse24_cpu_linear,
+)
 from whisper_modifiers.sparse_serving.format import compress_24
 from whisper_modifiers.sparse_serving.paths import cache_dir, write_json_atomically
 
 __all__ = ["TOKEN_LADDER", "CpuPlan", "cpu_plan", "measure_cpu_plan", "plan_from_timings"]
 
-TOKEN_LADDER = (1, 4, 16, 64, 256)
-TIME_BUDGET = 0.2  # seconds of runs per measured point (at least 3 runs)
-PLAN_VERSION = 1
+TOKEN_LADDER = (1, 4, 16, 32, 64, 256)
+TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
+TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
+PLAN_VERSION = 2
+PATHS = ("rows", "gemm", "tiles")
 
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """``tiled_from``: the token count from which the op runs its tiled path;
-    ``faster_at_decode``: whether the op beat dense at one token."""
+    """The op's path by token count: the row kernels below ``gemm_from``, the blocked GEMM
+    from it, the tiles from ``tiled_from`` (``NO_TILES``: never); ``faster_at_decode``:
+    whether the op beat dense at one token; ``speedups``: dense time / op time at each
+    measured token count, as ``(tokens, ratio)`` pairs (for the log)."""
 
     tiled_from: int
     faster_at_decode: bool
+    gemm_from: int = NO_TILES
+    speedups: tuple = ()
+
+    def path(self, tokens: int) -> str:
+        """The path the op takes for ``tokens`` tokens under this plan."""
+        if tokens >= self.tiled_from:
+            return "tiles"
+        return "gemm" if tokens >= self.gemm_from else "rows"
+
+    def describe(self) -> str:
+        """One line: the path of each token range and the speed against dense."""
+        starts = {"rows": 1, "gemm": self.gemm_from, "tiles": self.tiled_from}
+        ranges = [f"{path} from {start}" for path, start in starts.items()
+                  if start < NO_TILES and (path == "rows" or start < self.tiled_from
+                                            or path == "tiles")]  # fmt: skip
+        ratios = ", ".join(f"{ratio:.2f}x at {tokens}" for tokens, ratio in self.speedups)
+        return f"{'; '.join(ranges)} tokens" + (f" (dense time / op time: {ratios})"
+                                                if ratios else "")  # fmt: skip
 
 
 def random_two_four(rows: int, columns: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -55,51 +86,71 @@ def random_two_four(rows: int, columns: int, dtype: torch.dtype, seed: int = 0) 
     return (groups * keep).reshape(rows, columns)
 
 
-def _seconds(fn) -> float:
-    """Median wall time of ``fn`` over at least 3 runs and ``TIME_BUDGET`` seconds."""
-    fn()  # warm-up
-    times = []
-    while len(times) < 3 or (sum(times) < TIME_BUDGET and len(times) < 50):
-        start = time.perf_counter()
+def _seconds(fns: dict) -> dict:
+    """Median wall time of each of ``fns``, run in turn, round after round: at least 3
+    rounds, and until each has had ``TIME_BUDGET`` seconds (at most 50 rounds)."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    while len(next(iter(times.values()))) < 3 or (
+            min(map(sum, times.values())) < TIME_BUDGET and len(times["dense"]) < 50):  # fmt: skip
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def measure_cpu_plan(out_features: int, in_features: int, dtype: torch.dtype,
                      ladder=TOKEN_LADDER) -> tuple[CpuPlan, list[dict]]:  # fmt: skip
-    """Time the op's row kernels, its tiled path and dense ``F.linear`` at each ladder
+    """Time the op's paths (the GEMM where it runs) and dense ``F.linear`` at each ladder
     token count on a random 2:4 weight; the plan and the timings."""
     dense = random_two_four(out_features, in_features, dtype)
     compressed, bitmask = compress_24(dense)
+    thresholds = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
+    paths = [path for path in PATHS if path != "gemm" or gemm_runs(dtype, dtype)]
     timings = []
     with torch.no_grad():
         for tokens in ladder:
             x = torch.randn(tokens, in_features).to(dtype)
-
-            def op(tiled_from: int, x=x):
-                return sparse24_cpu_linear(x, compressed, bitmask, None, in_features, tiled_from)
-
-            timings.append({
-                "tokens": tokens,
-                "rows_s": _seconds(lambda: op(NO_TILES)),
-                "tiles_s": _seconds(lambda: op(0)),
-                "dense_s": _seconds(lambda x=x: F.linear(x, dense)),
-            })  # fmt: skip
+            fns = {"dense": lambda x=x: F.linear(x, dense)}
+            for path in paths:
+                tiled_from, gemm_from = thresholds[path]
+                fns[path] = lambda x=x, t=tiled_from, g=gemm_from: sparse24_cpu_linear(
+                    x, compressed, bitmask, None, in_features, t, g)  # fmt: skip
+            seconds = _seconds(fns)
+            timings.append({"tokens": tokens} | {f"{name}_s": s for name, s in seconds.items()})
     return plan_from_timings(timings), timings
 
 
-def plan_from_timings(timings: list[dict]) -> CpuPlan:
-    """Tiles from the lowest ladder point at and above which they were never slower than
-    the row kernels; the op against dense at the first point (one token)."""
-    tiled_from = NO_TILES
+def _first_of_winning_run(timings: list[dict], path: str, rivals: list[str],
+                          margin: float = 1.0) -> int:  # fmt: skip
+    """The lowest ladder count from which ``path`` took at most ``margin`` times the time
+    of each of ``rivals`` at that count and every count above it (``NO_TILES`` where it
+    lost at the top)."""
+    start = NO_TILES
     for timing in reversed(timings):
-        if timing["tiles_s"] > timing["rows_s"]:
+        if timing.get(f"{path}_s") is None:
             break
-        tiled_from = timing["tokens"]
-    first = timings[0]
-    op = first["tiles_s"] if first["tokens"] >= tiled_from else first["rows_s"]
-    return CpuPlan(tiled_from, op <= first["dense_s"])
+        if any(timing[f"{path}_s"] > margin * timing[f"{rival}_s"] for rival in rivals
+               if timing.get(f"{rival}_s") is not None):  # fmt: skip
+            break
+        start = timing["tokens"]
+    return start
+
+
+def plan_from_timings(timings: list[dict]) -> CpuPlan:
+    """Tiles from the lowest ladder count at and above which they took at most
+    ``TILES_MARGIN`` of the row kernels' and the GEMM's time; the GEMM from the lowest count
+    below that from which it was never slower than the row kernels; the op, on its chosen
+    path, against dense."""
+    tiled_from = _first_of_winning_run(timings, "tiles", ["rows", "gemm"], TILES_MARGIN)
+    below = [timing for timing in timings if timing["tokens"] < tiled_from]
+    gemm_from = _first_of_winning_run(below, "gemm", ["rows"]) if below else NO_TILES
+    paths = CpuPlan(tiled_from, False, gemm_from)
+    speedups = tuple((t["tokens"], t["dense_s"] / t[f"{paths.path(t['tokens'])}_s"])
+                     for t in timings)  # fmt: skip
+    return CpuPlan(tiled_from, speedups[0][1] >= 1.0, gemm_from, speedups)
 
 
 _lock = threading.Lock()
@@ -143,7 +194,8 @@ def cpu_plan(out_features: int, in_features: int, dtype: torch.dtype) -> CpuPlan
         path = plan_cache_file()
         stored = json.loads(path.read_text()) if path.is_file() else {}
         if key in stored:
-            plan = CpuPlan(**stored[key]["plan"])
+            fields = stored[key]["plan"]
+            plan = CpuPlan(**{**fields, "speedups": tuple(map(tuple, fields["speedups"]))})
         else:
             plan, timings = measure_cpu_plan(out_features, in_features, dtype)
             stored = json.loads(path.read_text()) if path.is_file() else {}

@@ -80,7 +80,12 @@ class Sparse24LinearMethod(UnquantizedLinearMethod):
         kernel = self._cpu_kernel(layer)
         if kernel is not None:
             layer.sparse24_kernel = kernel
-            self._note(kernel_mode(), {"cpu_tiled_from": kernel.tiled_from})
+            plan = kernel.plan
+            self._note(kernel_mode(), {"cpu_gemm_from": plan.gemm_from,
+                                       "cpu_tiled_from": plan.tiled_from})  # fmt: skip
+            dtype = str(kernel.compressed.dtype).removeprefix("torch.")
+            logger.info_once(f"2:4 CPU op, [{rows} x {columns}] {dtype} layers: "
+                             f"{plan.describe()}")  # fmt: skip
             return
         weight = take_dense_weight(layer)
         kernel = serving_kernel(weight)

@@ -1,10 +1,16 @@
 // The torch ops over the kernels of sparse24.h, and their run-time dispatch from the CPU's flags.
 //
-//   whisper_sparse24_cpu::linear(x, compressed, bitmask, bias, in_features, tiled_from)
-//       y = x W^T (+ bias) for a 2:4 W as stored. Below `tiled_from` tokens the row kernels
-//       expand the kept values in registers; from it on (prefill, compute-bound) cache-sized
-//       tiles of W are expanded into a buffer and multiplied by ATen's dense GEMM (oneDNN),
-//       in bfloat16 where the kernels are avx512_bf16, else in float32 (tile_dtype).
+//   whisper_sparse24_cpu::linear(x, compressed, bitmask, bias, in_features, gemm_from,
+//                                tiled_from)
+//       y = x W^T (+ bias) for a 2:4 W as stored, by one of three paths chosen by the number of
+//       tokens M (the thresholds come from cpu_plans' measurements):
+//       * M < gemm_from (decode): the row kernels expand the kept values in registers;
+//       * gemm_from <= M < tiled_from, for bfloat16 x and W where the kernels are avx512_bf16:
+//         the blocked GEMM (sparse24_avx512_bf16_gemm.cpp) over x packed once (pack_pairs);
+//         elsewhere the row kernels;
+//       * M >= tiled_from: cache-sized tiles of W are expanded into a buffer and multiplied by
+//         ATen's dense GEMM (oneDNN; AMX where the CPU has it), in bfloat16 where the kernels
+//         are avx512_bf16, else in float32 (tile_dtype).
 //       The dense weight is never held whole.
 //   whisper_sparse24_cpu::decompress(compressed, bitmask, in_features): the dense W (tests).
 //   whisper_sparse24_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
@@ -163,8 +169,54 @@ at::Tensor row_kernel_linear(const at::Tensor& x2, const at::Tensor& compressed,
   return y;
 }
 
+// Whether the blocked GEMM runs x of this dtype with these weights here.
+bool gemm_runs(const at::Tensor& x2, const at::Tensor& compressed) {
+  return active_isa() == kAvx512Bf16 && x2.scalar_type() == at::kBFloat16 &&
+         compressed.scalar_type() == at::kBFloat16;
+}
+
+// x2 [M, K] bfloat16 as the GEMM reads it (GemmArgs::x_pairs), packed by threads that take
+// whole groups of 16 pairs.
+at::Tensor pack_pairs(const at::Tensor& x2, int64_t padded_k) {
+  const int64_t chunks = (x2.size(0) + kGemmChunk - 1) / kGemmChunk;
+  at::Tensor pairs = at::empty({chunks, padded_k / 2, kGemmChunk}, x2.options().dtype(at::kFloat));
+  PackArgs args{static_cast<const uint16_t*>(x2.data_ptr()), x2.size(1), x2.size(0), x2.size(1),
+                pairs.data_ptr<float>(), 0, 0};
+  at::parallel_for(0, padded_k / 32, 4, [&](int64_t first, int64_t last) {
+    PackArgs part = args;
+    part.p_begin = first * 16;
+    part.p_end = std::min(padded_k / 2, last * 16);
+    pack_pairs_avx512_bf16(part);
+  });
+  return pairs;
+}
+
+at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
+                       const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
+                       int64_t in_features) {
+  const int64_t tokens = x2.size(0), rows = compressed.size(0);
+  const at::Tensor pairs = pack_pairs(x2, (in_features + 31) / 32 * 32);
+  const at::Tensor bias32 = bias.has_value() && bias->defined()
+                                ? bias->to(at::kFloat).contiguous()
+                                : at::Tensor();
+  at::Tensor y = at::empty({tokens, rows}, x2.options());
+  GemmArgs args{reinterpret_cast<const uint32_t*>(pairs.data_ptr()),
+                static_cast<const uint16_t*>(compressed.data_ptr()), bitmask.data_ptr<uint8_t>(),
+                bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+                static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0};
+  // threads take whole groups of 16 rows (the GEMM stores 16 rows of a token at a time)
+  at::parallel_for(0, (rows + 15) / 16, 3, [&](int64_t first, int64_t last) {
+    GemmArgs part = args;
+    part.n_begin = first * 16;
+    part.n_end = std::min(rows, last * 16);
+    gemm_avx512_bf16(part);
+  });
+  return y;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
-                  const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t tiled_from) {
+                  const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t gemm_from,
+                  int64_t tiled_from) {
   check_layer(compressed, bitmask, in_features);
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == in_features,
               "x must be a CPU tensor [..., ", in_features, "]");
@@ -174,6 +226,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::T
   at::Tensor y;
   if (x2.size(0) >= tiled_from) {
     y = tiled_linear(x2, compressed, bitmask, bias, in_features);
+  } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed)) {
+    y = gemm_linear(x2, compressed, bitmask, bias, in_features);
   } else {  // float32 sums: the bias is added before the one rounding to x's dtype
     y = row_kernel_linear(x2, compressed, bitmask, in_features);
     if (bias.has_value() && bias->defined()) y.add_(*bias);
@@ -188,7 +242,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::T
 
 TORCH_LIBRARY(whisper_sparse24_cpu, m) {
   m.def("linear(Tensor x, Tensor compressed, Tensor bitmask, Tensor? bias, int in_features, "
-        "int tiled_from) -> Tensor");
+        "int gemm_from, int tiled_from) -> Tensor");
   m.def("decompress(Tensor compressed, Tensor bitmask, int in_features) -> Tensor");
   m.def("isa", &whisper_sparse24::isa);
   m.def("set_isa", &whisper_sparse24::set_isa);
