@@ -12,14 +12,20 @@ weights are cycled (at least ``--working-set`` MiB of each) so that no call find
 weight in cache: decode reads every weight from memory, as in a served model. The sides
 alternate, one pass each per round, and every time is the median over ``--repeats``
 rounds (this machine is shared: a side measured alone would take its noise); ratios are
-dense time / op time (above 1: the op is faster). Writes ``cpu_sparse24-ISA.md``,
-``.json`` and ``.png`` to ``--out``, ISA being the op's kernels here (``avx2``, ``avx512``,
-``avx512_bf16``: one file set per kind of CPU), each labelled by this CPU's line.
+dense time / op time (above 1: the op is faster). Run with the serving environment's
+Python (``.venv-serve/bin/python``), the table also has vLLM's own dense CPU GEMM as the
+plugin's dense layers run it (``onednn_mm`` on a weight oneDNN packed once: a stronger
+baseline than ``F.linear`` at few tokens) and the op's ratio against it. Writes
+``cpu_sparse24-ISA.md``, ``.json`` and ``.png`` to ``--out``, ISA being the op's kernels here
+(``avx2``, ``avx512``, ``avx512_bf16``: one file set per kind of CPU), each labelled by this
+CPU's line; ``--replot JSON`` writes the table and the plot again from a JSON (the serving
+environment has no matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -66,6 +72,23 @@ def alternating_medians(sides: dict[str, list], repeats: int) -> dict[str, float
     return {label: statistics.median(values) for label, values in times.items()}
 
 
+def vllm_dense_linear():
+    """vLLM's dense CPU GEMM for a weight, as its unquantized layers run it (a oneDNN
+    handle made once per weight, then ``onednn_mm``), or None without vLLM's CPU ops."""
+    try:
+        import vllm._custom_ops as ops
+    except Exception:  # no vLLM here (the pruning environment)
+        return None
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+
+    def linear_for(weight):
+        handle = ops.create_onednn_mm(weight.t(), 32)
+        return lambda x: ops.onednn_mm(handle, x, None)
+
+    return linear_for
+
+
 def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -79,6 +102,8 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> li
     dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
     compressed = [compress_24(weight) for weight in dense]
     plan = cpu_plan(rows, columns, dtype)
+    linear_for = vllm_dense_linear()
+    vllm_dense = [linear_for(weight) for weight in dense] if linear_for else []
     paths = {"op": (plan.tiled_from, plan.gemm_from), "rows": (NO_TILES, NO_TILES),
              "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}  # fmt: skip
     results = []
@@ -86,6 +111,8 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> li
         for count in tokens:
             x = torch.randn(count, columns).to(dtype)
             sides = {"dense": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
+            if vllm_dense:
+                sides["vllm_dense"] = [lambda f=f, x=x: f(x) for f in vllm_dense]
             for label, (tiled_from, gemm_from) in paths.items():
                 if (label == "rows" and count > args.rows_up_to) or (
                         label == "gemm" and not gemm_runs(dtype, dtype)):  # fmt: skip
@@ -96,6 +123,7 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> li
             times = alternating_medians(sides, args.repeats)
             row = {"tokens": count, "seconds": times, "copies": copies,
                    "ratio": times["dense"] / times["op"], "op_path": plan.path(count),
+                   "vllm_ratio": times["vllm_dense"] / times["op"] if vllm_dense else None,
                    "op_gib_per_s": rows * (columns // 2 * dtype.itemsize + -(-columns // 8))
                    / times["op"] / 2**30,
                    "dense_gib_per_s": dense_bytes / times["dense"] / 2**30}  # fmt: skip
@@ -109,32 +137,44 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args) -> li
 
 
 def markdown(payload: dict) -> str:
+    vllm = any(row.get("vllm_ratio") for rows in payload["shapes"].values() for row in rows)
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
              f"CPU: {payload['cpu']}", "",
              "Ratio: dense time / op time (above 1: the op is faster); the op as served "
              "(its measured plan picks row kernels, blocked GEMM or tiles). Each time is the "
              "median of rounds that run every side in turn. GiB/s: weight bytes read per "
              "second (compressed for the op); -: not measured (rows above "
-             f"{payload['rows_up_to']} tokens; the GEMM where it does not run).", "",
-             "| model | projection | tokens | dense ms | op ms | op path | ratio | rows ms | "
-             "gemm ms | tiles ms | dense GiB/s | op GiB/s |",
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             f"{payload['rows_up_to']} tokens; the GEMM where it does not run)."
+             + (" vLLM dense: vLLM's own CPU GEMM (`onednn_mm` on a weight oneDNN packed "
+                "once), as its dense layers run; the last ratio is against it." if vllm else ""),
+             "", "| model | projection | tokens | dense ms | op ms | op path | ratio | rows ms | "
+             "gemm ms | tiles ms | dense GiB/s | op GiB/s |"
+             + (" vLLM dense ms | ratio to vLLM dense |" if vllm else ""),
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+             + ("---:|---:|" if vllm else "")]  # fmt: skip
     for key, rows in payload["shapes"].items():
         model, projection = key.split("/")
         for row in rows:
             s = row["seconds"]
             path_ms = " | ".join(f"{s[path] * 1e3:.3f}" if path in s else "-"
                                  for path in ("rows", "gemm", "tiles"))  # fmt: skip
+            against_vllm = (f" {s['vllm_dense'] * 1e3:.3f} | **{row['vllm_ratio']:.2f}×** |"
+                            if vllm else "")  # fmt: skip
             lines.append(
                 f"| {model} | {projection} | {row['tokens']} | {s['dense'] * 1e3:.3f} | "
                 f"{s['op'] * 1e3:.3f} | {row['op_path']} | **{row['ratio']:.2f}×** | "
                 f"{path_ms} | {row['dense_gib_per_s']:.1f} | {row['op_gib_per_s']:.1f} |"
+                + against_vllm
             )
     return "\n".join(lines) + "\n"
 
 
 def plot(payload: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no matplotlib here: {path.name} not drawn (--replot its JSON where it is)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -171,9 +211,21 @@ def main(argv=None) -> int:
         help="MiB of distinct dense weights cycled per shape (default 256)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_sparse24")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="write the table and plot of this JSON again, measuring nothing",
+    )
     args = parser.parse_args(argv)
     if min(args.tokens) < 1 or args.repeats < 1 or args.working_set < 1:
         parser.error("--tokens, --repeats and --working-set must be at least 1")
+    if args.replot is not None:
+        payload = json.loads(args.replot.read_text())
+        args.replot.with_suffix(".md").write_text(markdown(payload))
+        plot(payload, args.replot.with_suffix(".png"))
+        return 0
     import torch
 
     from whisper_modifiers.sparse_serving.cpu_op import cpu_isa, cpu_kernels_unavailable

@@ -76,7 +76,11 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, float* y, int64_t n
     if ((k & kPrefetchEvery<W>) == 0) {  // once per cache line of kept values, per row
       for (int r = 0; r < R; ++r) {
         __builtin_prefetch(values[r] + kPrefetchAhead, 0, 3);
-        if ((k & 511) == 0) __builtin_prefetch(masks[r] + 64, 0, 3);
+        __builtin_prefetch(values[r] + R * half_k * kValueBytes<W>, 0, 3);  // the next group
+        if ((k & 511) == 0) {
+          __builtin_prefetch(masks[r] + 64, 0, 3);
+          __builtin_prefetch(masks[r] + R * mask_bytes, 0, 3);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
