@@ -108,9 +108,7 @@ def _gram(sequences: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _neuronwise(weight, pairs, pair_fraction) -> torch.Tensor:
-    statistics = [neuronwise_difference(weight, d, pair_fraction) for d in pairs]
-    statistics = [a for a in statistics if a is not None]
-    return sum(statistics) / len(statistics)
+    return sum(neuronwise_difference(weight, d, pair_fraction) for d in pairs) / len(pairs)
 
 
 def saliencies(

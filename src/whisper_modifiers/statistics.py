@@ -174,28 +174,25 @@ def neuronwise_difference(
     """Wisp+'s neuronwise difference statistic ``a`` for one sequence (Section 3.2).
 
     For neuron ``i`` and pair ``l``: ``r_il = |w_i . dX_l| / ||dX_l||_2`` (pairs with zero
-    distance are skipped), ``P_i`` = the ``K`` pairs of largest ``r_il`` with
-    ``K = max(1, round(pair_fraction * s))``, and
-    ``a_ij = (1 / |P_i|) sum_{l in P_i} |dX_jl|`` (an l1 mean).  The saliency is
-    ``S_ij = |W_ij| * a_ij``.
+    distance are never selected), ``P_i`` = the ``K`` pairs of largest ``r_il`` with
+    ``K = max(1, round(pair_fraction * s))`` (all of the pairs of nonzero distance where
+    there are fewer), and ``a_ij = (1 / |P_i|) sum_{l in P_i} |dX_jl|`` (an l1 mean).  The
+    saliency is ``S_ij = |W_ij| * a_ij``.
 
     The selection is applied as a dense ``[chunk, s]`` matrix with ``1 / |P_i|`` at the
     selected pairs, multiplied by ``|dX|``: one GEMM per chunk of neurons, so memory stays
-    ``O(chunk * (s + m))`` and no ``n x K x m`` tensor is ever formed.
+    ``O(chunk * (s + m))`` and no ``n x K x m`` tensor is ever formed. Nothing is read
+    back to the host (no data-dependent shape): a sequence on a GPU does not wait for it.
 
     :param weight: ``[n, m]`` layer weight (any dtype; used in float32).
     :param differences: ``[s, m]`` pairwise differences of one sequence.
-    :return: ``[n, m]`` float32, or ``None`` when every pair has zero distance (the
-        sequence carries no difference information).
+    :return: ``[n, m]`` float32; zeros where every pair has zero distance (the sequence
+        carries no difference information).
     """
     differences = differences.to(STATISTICS_DTYPE)
     distances = torch.linalg.vector_norm(differences, dim=1)
     valid = distances > 0
-    num_valid = int(valid.sum())
-    if num_valid == 0:
-        return None
-    k = min(num_selected_pairs(differences.shape[0], pair_fraction), num_valid)
-    differences, distances = differences[valid], distances[valid]
+    k = num_selected_pairs(differences.shape[0], pair_fraction)
     abs_differences = differences.abs()
     weight = weight.to(device=differences.device, dtype=STATISTICS_DTYPE)
 
@@ -203,8 +200,10 @@ def neuronwise_difference(
     for start in range(0, weight.shape[0], neuron_chunk):
         rows = weight[start : start + neuron_chunk]
         separation = (rows @ differences.t()).abs_() / distances  # r, [chunk, s]
+        separation.masked_fill_(~valid, -torch.inf)  # after the valid pairs, if picked
         selected = separation.topk(k, dim=1).indices
-        selection = torch.zeros_like(separation).scatter_(1, selected, 1.0 / k)
+        chosen = torch.zeros_like(separation).scatter_(1, selected, 1.0) * valid
+        selection = chosen / chosen.sum(dim=1, keepdim=True).clamp_min(1.0)
         statistic[start : start + neuron_chunk] = selection @ abs_differences
     return statistic
 

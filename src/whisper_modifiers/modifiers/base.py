@@ -35,9 +35,9 @@ from whisper_modifiers.modifiers.targets import (
     select_difference_modules,
 )
 from whisper_modifiers.modifiers.validation import (
+    FiniteInputs,
     MaskStructure,
     Sparsity,
-    check_finite_activations,
     check_mask_kept,
     check_sparsity_fields,
 )
@@ -83,6 +83,7 @@ class DifferencePruningBase(SparsityModifierBase):
     _difference_modules: set[torch.nn.Module] = PrivateAttr(default_factory=set)
     _sequences_seen: dict[torch.nn.Module, int] = PrivateAttr(default_factory=dict)
     _calibrated: set[torch.nn.Module] = PrivateAttr(default_factory=set)
+    _finite: FiniteInputs = PrivateAttr(default_factory=FiniteInputs)
 
     @model_validator(mode="after")
     def _validate_fields(self):
@@ -181,11 +182,13 @@ class DifferencePruningBase(SparsityModifierBase):
         )
 
     def _calibrate_finite(self, module, args, output):
-        """``calibrate_module``, after refusing NaN or inf inputs (every module, routed
-        to the difference statistic or to the standard method). With ``gamma: auto`` the
-        held-out sequences of a difference module are also kept (``gamma_auto``)."""
+        """``calibrate_module``, noting whether the inputs are finite (every module,
+        routed to the difference statistic or to the standard method; NaN or inf is
+        refused, naming the module, before the layer is solved: ``reduce_and_select``).
+        With ``gamma: auto`` the held-out sequences of a difference module are also kept
+        (``gamma_auto``)."""
         x = args[0]
-        check_finite_activations(self._module_names[module], x)
+        self._finite.note(module, x)
         first = self._sequences_seen.get(module, sequence_offset())  # global index
         rows = list(range(first, first + self._pairs.batch_size(module, x)))
         self._sequences_seen[module] = rows[-1] + 1
@@ -217,8 +220,10 @@ class DifferencePruningBase(SparsityModifierBase):
         return self._gamma_auto.chosen[module] if self._gamma_auto is not None else self.gamma
 
     def reduce_and_select(self) -> None:
-        """Reduce the statistics across ranks; under ``gamma: auto``, choose this layer's
+        """Refuse NaN or inf calibration inputs of this layer (``FiniteInputs.check``);
+        reduce the statistics across ranks; under ``gamma: auto``, choose this layer's
         gammas first (``GammaAuto.reduce_and_select``)."""
+        self._finite.check(self._module_names)
         if self._gamma_auto is None or not self._difference_modules:
             return self._statistics.reduce(self._module_names)
         self._gamma_auto.reduce_and_select(self._statistics, self._calibrated)

@@ -20,7 +20,9 @@ __all__ = [
     "check_mask_kept",
     "check_prune_then_quantize",
     "prunes",
+    "FiniteInputs",
     "check_finite_activations",
+    "non_finite_activations",
     "check_finite_weights",
     "check_sparsity",
     "check_sparsity_matches_structure",
@@ -46,14 +48,46 @@ def check_finite_weights(model: torch.nn.Module) -> None:
             )
 
 
+def non_finite_activations(name: str) -> NonFiniteError:
+    """The error for NaN or inf calibration inputs of module ``name``."""
+    return NonFiniteError(
+        f"{name} received NaN or inf activations; the calibration statistics would be "
+        "meaningless (check the model dtype and calibration data)"
+    )
+
+
 def check_finite_activations(name: str, x: torch.Tensor) -> None:
     """Raise ``NonFiniteError`` if the calibration input ``x`` of module ``name`` holds
-    NaN or inf."""
+    NaN or inf (a host read: once per call)."""
     if not torch.isfinite(x).all():
-        raise NonFiniteError(
-            f"{name} received NaN or inf activations; the calibration statistics would be "
-            "meaningless (check the model dtype and calibration data)"
-        )
+        raise non_finite_activations(name)
+
+
+class FiniteInputs:
+    """Whether every calibration input of each module so far was finite, kept as a flag on
+    the inputs' device: a hook adds to it without reading it (a read would wait for the
+    device at every hooked Linear of every sequence), and ``check`` reads all of a
+    layer's flags at once, before its modules are solved."""
+
+    def __init__(self):
+        self._flags: dict[torch.nn.Module, torch.Tensor] = {}
+
+    def note(self, module: torch.nn.Module, x: torch.Tensor) -> None:
+        finite = torch.isfinite(x).all()
+        held = self._flags.get(module)
+        self._flags[module] = finite if held is None else held & finite
+
+    def check(self, names: dict) -> None:
+        """Raise ``NonFiniteError`` naming the first module (by ``names``) whose inputs
+        were not all finite; forget every flag. One host read when all were finite."""
+        flags, self._flags = self._flags, {}
+        if not flags:
+            return
+        device = next(iter(flags.values())).device
+        if bool(torch.stack([flag.to(device) for flag in flags.values()]).all()):
+            return
+        module = next(module for module, flag in flags.items() if not bool(flag))
+        raise non_finite_activations(names[module])
 
 
 def check_sparsity(value):

@@ -208,8 +208,6 @@ class WispPlusModifier(WispModifier):
         with align_module_device(module):
             for sequence in differences:
                 statistic = neuronwise_difference(module.weight, sequence, self.pair_fraction)
-                if statistic is None:
-                    continue
                 held.neuronwise.add(statistic)
                 if specializing:
                     held.difficulty.add(mapping_difficulty(module.weight, sequence))
@@ -221,7 +219,7 @@ class WispPlusModifier(WispModifier):
         (``regularized_difference_norms``); other modules as Wisp's."""
         statistics = self._statistics[module]
         neuronwise = statistics.neuronwise
-        if not neuronwise.held:
+        if not neuronwise.held or not neuronwise.total.any():  # no pair, or none of length
             if self._draws_pairs(module):
                 raise ValueError(
                     f"{self._module_names[module]}: every sampled pair of every calibration "
