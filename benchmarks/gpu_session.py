@@ -1,10 +1,19 @@
 """Issue 37's GPU measurements in as few device calls as possible: the pruning table, the
-CUDA-only tests, vLLM serving speed (profiled) and vLLM correctness.
+CUDA-only tests, vLLM serving speed (profiled) and vLLM correctness; and issue 50's
+pruning-only plan, which fits a 15-minute device budget.
 
 Here, before the session's GPU calls (PyPI reachable, ``.venv`` built):
 
     python benchmarks/gpu_session.py prepare    # carry folders, then the calls to make
     python benchmarks/gpu_session.py calls      # the device calls again, in order (JSON)
+    python benchmarks/gpu_session.py prepare --plan prune   # pruning only: two calls
+    python benchmarks/gpu_session.py calls --plan prune
+
+The pruning-only plan (``--plan prune``; no vLLM carried) is two calls, about 8 minutes
+with the machine's start: the first copies the pruning stack's first half; the second the
+rest, then installs it and runs ``prune-reference`` (the speed table with the reference
+procedure beside our methods, ``speed.py --reference``, and a profile of Whisper),
+``cuda-tests``, all within one command's 570 seconds (rows are written as they come).
 
 The GPU machine (torch 2.11 image) has neither llmcompressor nor vLLM and reaches no
 network, and a call carries at most 64 MiB. ``prepare`` therefore writes carry folders:
@@ -46,6 +55,29 @@ PRUNE_SITE, VLLM_SITE, VLLM_WHEELS = Path("/tmp/psite"), Path("/tmp/vsite"), Pat
 SERVE_PYTHON = Path("/tmp/serve-python")
 STAGE_LIMIT = 570  # seconds: a device command stops at 600
 RUN = "python3 benchmarks/gpu_session.py stage"
+
+
+PLANS = ("all", "prune")
+
+
+def prune_calls() -> list[dict]:
+    """Issue 50's pruning-only plan: two calls (see the module's docstring)."""
+    return [
+        {"carry": [f"{SESSION}/p0"], "why": "pruning stack, part 1",
+         "command": f"mkdir -p {STAGE_ROOT} && cp -r {SESSION}/p0/. {STAGE_ROOT}/"},
+        {"carry": [f"{SESSION}/p1"],
+         "why": "pruning stack, part 2; the speed table with the reference, a profile, the "
+                "CUDA-only tests",
+         "command": f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && "
+                    f"{RUN} install-prune prune-reference cuda-tests --out $OUT"},
+    ]  # fmt: skip
+
+
+def plan_calls(plan: str, wheel_parts: int = 6) -> list[dict]:
+    """The device calls of ``plan`` (``PLANS``)."""
+    if plan not in PLANS:
+        raise ValueError(f"plan must be one of {', '.join(PLANS)}; got {plan!r}")
+    return prune_calls() if plan == "prune" else calls(wheel_parts)
 
 
 def calls(wheel_parts: int = 6) -> list[dict]:
@@ -117,6 +149,8 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
         "install-prune": [[*install, str(PRUNE_SITE), str(STAGE_ROOT / "wheels")]],
         "prune": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
                    "--out", str(out)]],
+        "prune-reference": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
+                             "--reference", "--profile", "whisper", "--out", str(out)]],
         "cuda-tests": [[python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                         "tests/test_pipeline.py", "tests/test_sparse_kernels.py"]],
         "install-vllm": [[*install, str(VLLM_SITE), str(VLLM_WHEELS), str(VLLM_WHEELS / "deps")]],
@@ -131,8 +165,8 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
     return commands[stage]
 
 
-STAGES = ("install-prune", "prune", "cuda-tests", "install-vllm", "serve", "serve-capture",
-          "correct")  # fmt: skip
+STAGES = ("install-prune", "prune", "prune-reference", "cuda-tests", "install-vllm", "serve",
+          "serve-capture", "correct")  # fmt: skip
 
 
 def run_command(command: list[str], env: dict, log_path: Path, seconds: float) -> int | str:
@@ -198,7 +232,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     prep = sub.add_parser("prepare", help="here: write the carry folders and the calls")
     prep.add_argument("--skip-vllm", action="store_true", help=f"keep {VLLM_CARRY}/ as it is")
-    sub.add_parser("calls", help="print the device calls, in order")
+    prep.add_argument(
+        "--plan",
+        choices=PLANS,
+        default="all",
+        help="prune: issue 50's pruning-only plan (no vLLM carried)",
+    )
+    listed = sub.add_parser("calls", help="print the device calls, in order")
+    listed.add_argument("--plan", choices=PLANS, default="all")
     run = sub.add_parser("stage", help="on the GPU machine: run stages in order")
     run.add_argument("stages", nargs="+", choices=STAGES)
     run.add_argument("--out", type=Path, required=True)
@@ -209,11 +250,14 @@ def main(argv=None) -> int:
     put.add_argument("folders", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.action == "prepare":
-        path = prepare(args.skip_vllm, calls)
+        pruning_only = args.plan == "prune"
+        path = prepare(args.skip_vllm or pruning_only,
+                       (lambda parts: prune_calls()) if pruning_only else calls)  # fmt: skip
         print(path.read_text())
         return 0
     if args.action == "calls":
-        print(json.dumps(calls(vllm_chunks()), indent=1))
+        parts = vllm_chunks() if args.plan == "all" else 0
+        print(json.dumps(plan_calls(args.plan, parts), indent=1))
         return 0
     if args.action == "install":
         return install(args.site, args.folders)

@@ -19,7 +19,9 @@ weights (bfloat16 where CUDA is, else float32; ``--hidden``/``--intermediate`` s
 for a smoke run) on random tokens, for each method × ``--pipelines`` (llmcompressor's
 ``sequential`` and our ``whisper_layerwise``) × activation-cache device × batch size, and
 reports seconds per layer against issue #13's per-layer targets (the paper's H100 times
-per Llama-2-7B layer). Writes ``speed_random.md`` and ``speed_random.json``.
+per Llama-2-7B layer); ``--reference`` adds the reference procedure (Wanda and SparseGPT
+as their repositories run them) and each row's ratio to it, ``--profile METHOD`` a profile
+of one method (``speed_random``). Writes ``speed_random.md`` and ``speed_random.json``.
 
 Every measurement runs in a fresh process (so peak memory is not hidden by memory the
 allocator kept from an earlier run); baseline and method alternate, and the ratio of the
@@ -37,11 +39,9 @@ method under oneshot's default pipeline (issue 24: no slower, ratio <= 1).
 from __future__ import annotations
 
 import argparse
-import itertools
 import multiprocessing
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     RESULTS,
-    PeakMemory,
     calibration_set,
     load,
     model_specs,
@@ -58,6 +57,7 @@ from common import (  # noqa: E402
     quiet_logs,
     write_json,
 )
+from speed_random import LAYER_TARGETS, main_random  # noqa: E402
 
 from whisper_modifiers.modifiers import PIPELINE_NAME as PIPELINE  # noqa: E402
 
@@ -123,129 +123,6 @@ def run_one(model_name, variant, args) -> tuple[float, int, str]:
     if process.exitcode:
         raise RuntimeError(f"{variant} failed with exit code {process.exitcode}")
     return result
-
-
-LAYER_TARGETS = {  # seconds per 7B layer on an H100 (issue #13, from the paper's times)
-    "wanda": 1.6, "wisp": 1.6, "ria": 1.6, "ria_wisp": 1.6, "wisp_plus": 4.5,
-    "sparsegpt": 11.0, "whisper": 11.0, "alps": 11.0, "alps_whisper": 11.0,
-}  # fmt: skip
-
-
-def random_llama(layers: int, hidden: int, intermediate: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
-        vocab_size=32000, max_position_embeddings=4096,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    directory = tempfile.mkdtemp(prefix="random-llama-")  # oneshot re-reads the config
-    config.save_pretrained(directory)
-    model.config.name_or_path = directory
-    return model
-
-
-def seven_b_shaped(args) -> bool:
-    """Whether the per-layer targets apply: 7B layer shapes at the paper's 128 × 4096."""
-    return (args.hidden, args.intermediate, args.num_sequences, args.seq_len) == (
-        4096, 11008, 128, 4096)  # fmt: skip
-
-
-def stand_in_tokenizer():
-    """A one-word tokenizer: ``oneshot`` wants a processor, and the tokens are random."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")), unk_token="<unk>"
-    )
-
-
-def measure_random(args, method, offload_device, batch_size, pipeline) -> dict:
-    import gc
-
-    import torch
-    from datasets import Dataset
-
-    from whisper_modifiers.methods import build_recipe, run_oneshot
-
-    model = random_llama(args.random_layers, args.hidden, args.intermediate)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 32000, (args.num_sequences, args.seq_len), generator=generator)
-    dataset = Dataset.from_dict({"input_ids": ids.tolist(),
-                                 "attention_mask": torch.ones_like(ids).tolist()})  # fmt: skip
-    recipe = build_recipe(method, 0.5, args.structure, 0)
-    with PeakMemory() as memory:
-        start = time.perf_counter()
-        run_oneshot(model, stand_in_tokenizer(), dataset, recipe, batch_size=batch_size,
-                    sequential_offload_device=offload_device, pipeline=pipeline)  # fmt: skip
-        seconds = time.perf_counter() - start
-    del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {"method": method, "pipeline": pipeline, "offload_device": offload_device,
-            "batch_size": batch_size,
-            "seconds": seconds, "seconds_per_layer": seconds / args.random_layers,
-            "layer_target": LAYER_TARGETS.get(method) if seven_b_shaped(args) else None,
-            "peak_bytes": memory.bytes}  # fmt: skip
-
-
-def main_random(args) -> int:
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    payload = {"config": vars(args) | {"out": str(args.out)}, "device": device, "rows": []}
-    for offload_device in args.offload_devices:
-        for batch_size in args.batch_sizes:
-            for method, pipeline in itertools.product(args.methods, args.pipelines):
-                row = measure_random(args, method, offload_device, batch_size, pipeline)
-                payload["rows"].append(row)
-                print(f"{method:<14} {pipeline:<17} cache {offload_device:<5} batch {batch_size}: "
-                      f"{row['seconds']:7.2f} s ({row['seconds_per_layer']:.2f} s/layer), "
-                      f"peak +{row['peak_bytes'] / 2**30:.1f} GiB", flush=True)  # fmt: skip
-                # the rows so far, so that a run stopped at a time limit keeps them
-                write_random_tables(args.out, payload, show=False)
-    write_random_tables(args.out, payload)
-    return 0
-
-
-def write_random_tables(out: Path, payload: dict, show: bool = True) -> None:
-    """``speed_random.md`` and ``speed_random.json`` from ``main_random``'s payload (and
-    the table printed, with ``show``)."""
-    config, rows = payload["config"], payload["rows"]
-    lines = [
-        "# Speed: Llama-2-7B-shaped decoder, random weights",
-        "",
-        f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/speed.py --random-layers "
-        f"{config['random_layers']}` on {payload['device']}: hidden {config['hidden']}, MLP "
-        f"{config['intermediate']}, {config['num_sequences']} × {config['seq_len']} calibration "
-        f"tokens, mask {config['structure']}, one run each. Peak memory is above the level at "
-        "the start (CUDA: allocated). The 32-layer column extrapolates s / layer to a "
-        "32-layer 7B (Llama-2-7B's depth): an estimate, not a measurement.",
-        "",
-        "| method | pipeline | activation cache | batch | time (s) | s / layer "
-        "| target s / layer | 32 layers (min) | peak extra memory (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        target = r["layer_target"]
-        mark = "" if target is None else ("✓" if r["seconds_per_layer"] <= target else "✗")
-        lines.append(
-            f"| {r['method']} | {r['pipeline']} | {r['offload_device']} | {r['batch_size']} | "
-            f"{r['seconds']:.1f} | "
-            f"{r['seconds_per_layer']:.2f} | {'-' if target is None else f'≤ {target} {mark}'} | "
-            f"{r['seconds_per_layer'] * 32 / 60:.1f} | {r['peak_bytes'] / 2**30:.1f} |"
-        )
-    write_json(out / "speed_random.json", payload)
-    (out / "speed_random.md").write_text("\n".join(lines) + "\n")
-    if show:
-        print("\n".join(lines))
 
 
 def main_batch_effect(args) -> int:
@@ -322,6 +199,19 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     parser.add_argument("--pipelines", nargs="+", default=["sequential", PIPELINE],
                         help="calibration pipelines --random-layers compares")  # fmt: skip
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="--random-layers: time the reference procedure first, same model",
+    )
+    parser.add_argument("--reference-methods", nargs="+", default=["wanda", "sparsegpt"],
+                        choices=["wanda", "sparsegpt"])  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        default=None,
+        choices=list(LAYER_TARGETS),
+        help="--random-layers: profile one more run of this method",
+    )
     parser.add_argument(
         "--batch-effect",
         action="store_true",

@@ -288,3 +288,59 @@ def test_speed_benchmark_batch_effect(tmp_path):
     assert [r["batch_size"] for r in rows] == [1, 4] and rows[0]["mask_agreement"] == 1.0
     assert rows[1]["mask_agreement"] >= 0.999
     assert "| stories260K | whisper | 4 |" in (tmp_path / "speed_batch.md").read_text()
+
+
+def test_reference_obs_solve_is_sparsegpts(tmp_path):
+    """The reference's OBS solve (``reference_pruning.obs_prune``, our own code) equals
+    llmcompressor's ``sparsify_weight`` on the same Hessian, bit for bit: N:M and
+    unstructured (whose per-block threshold keeps its tie: a little over half pruned)."""
+    from llmcompressor.modifiers.pruning.sparsegpt.sgpt_sparsify import sparsify_weight
+    from reference_pruning import obs_prune
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 256, generator=generator)
+    hessian = 2 / 300 * x.t() @ x
+    linear = torch.nn.Linear(256, 48, bias=False)
+    for prune_n, prune_m in ((2, 4), (0, 0)):
+        mine = obs_prune(linear.weight.detach(), hessian, 0.5, prune_n, prune_m)
+        stock = sparsify_weight(linear, {linear: hessian.clone()}, 0.5, prune_n, prune_m, 128,
+                                0.01, False)  # fmt: skip
+        assert torch.equal(mine, (stock[1] if isinstance(stock, tuple) else stock).detach())
+        pruned = (mine == 0).float().mean()
+        assert pruned == 0.5 if prune_n else 0.5 <= pruned < 0.51
+
+
+def test_reference_wanda_is_the_stock_selection():
+    """The reference's Wanda (one topk over every group) picks what our baseline's and
+    llmcompressor's group-by-group selection picks."""
+    from reference_pruning import wanda_prune
+
+    from whisper_modifiers.solvers import prune_by_score, wanda_scores
+
+    generator = torch.Generator().manual_seed(1)
+    weight, norms = torch.randn(32, 64, generator=generator), torch.rand(64, generator=generator)
+    for prune_n, prune_m in ((2, 4), (0, 0)):
+        expected = prune_by_score(weight, wanda_scores(weight, norms.sqrt()), 0.5, prune_n, prune_m)
+        assert torch.equal(wanda_prune(weight, norms, 0.5, prune_n, prune_m), expected)
+
+
+def test_speed_benchmark_with_the_reference_and_a_profile(tmp_path):
+    """--reference times the reference procedure on the same random model, every row gets
+    its ratio to its reference against issue 50's target, and --profile writes one method's
+    ops."""
+    import speed
+
+    argv = ["--random-layers", "1", "--hidden", "64", "--intermediate", "128",
+            "--num-sequences", "2", "--seq-len", "16", "--methods", "wisp", "whisper",
+            "--pipelines", "sequential", "--offload-devices", "cpu", "--reference",
+            "--profile", "wisp", "--out", str(tmp_path)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rows = json.loads((tmp_path / "speed_random.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["reference wanda", "reference sparsegpt", "wisp",
+                                           "whisper"]  # fmt: skip
+    assert [r["reference"] for r in rows[2:]] == ["reference wanda", "reference sparsegpt"]
+    assert [r["reference_target"] for r in rows[2:]] == [1.2, 1.1]
+    assert all(r["reference_ratio"] > 0 for r in rows[2:])
+    table = (tmp_path / "speed_random.md").read_text()
+    assert "| reference sparsegpt | reference | cpu | 1 |" in table
+    assert "aten::" in (tmp_path / "profile_wisp.md").read_text()

@@ -165,3 +165,28 @@ def test_prune_stage_runs_here_at_smoke_size(tmp_path):
     assert {"prune.log", "speed_random.md", "speed_random.json"} <= {
         p.name for p in tmp_path.iterdir()}  # fmt: skip
     assert "| wisp | whisper_layerwise | cpu | 1 |" in (tmp_path / "speed_random.md").read_text()
+
+
+def test_the_pruning_only_plan_is_two_calls_without_vllm(tmp_path):
+    """Issue 50: two calls, the pruning stack's two halves, the second running the speed
+    table with the reference procedure and a profile, then the CUDA-only tests."""
+    calls = gpu_session.plan_calls("prune")
+    assert [call["carry"] for call in calls] == [[f"{gpu_session.SESSION}/p0"],
+                                                 [f"{gpu_session.SESSION}/p1"]]  # fmt: skip
+    assert all(len(call["command"]) <= 2000 for call in calls)
+    stages = [word for word in calls[1]["command"].split() if word in gpu_session.STAGES]
+    assert stages == ["install-prune", "prune-reference", "cuda-tests"]
+    (prune,) = gpu_session.stage_commands("prune-reference", tmp_path)
+    assert prune[1] == "benchmarks/speed.py" and "--reference" in prune
+    assert prune[prune.index("--profile") + 1] == "whisper"
+    assert prune[prune.index("--random-layers") + 1] == "2"
+    with pytest.raises(ValueError, match="plan must be one of all, prune"):
+        gpu_session.plan_calls("serve")
+
+
+def test_the_pruning_only_plan_runs_on_a_cpu_in_smoke_size(tmp_path):
+    """The prune-reference stage, CPU-sized: the reference rows, ours, and the profile."""
+    assert gpu_session.main(["stage", "prune-reference", "--smoke", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "speed_random.md").read_text()
+    assert "| reference wanda | reference |" in table and "| wisp | sequential |" in table
+    assert (tmp_path / "profile_whisper.md").is_file()

@@ -118,8 +118,10 @@ def test_whisper_prune_chained_recipe_is_the_same_under_both_pipelines(tmp_path)
 def test_whisper_prune_pipeline_choice(tmp_path, monkeypatch, capsys):
     from whisper_modifiers.methods import calibration_pipeline
 
+    # auto: on a GPU, sequential where the activation cache stays there, else ours
     expected = PIPELINE_NAME if torch.cuda.is_available() else "sequential"
-    assert calibration_pipeline() == expected  # auto: ours where CUDA is
+    assert calibration_pipeline("auto", cache_on_gpu=False) == expected
+    assert calibration_pipeline("auto", cache_on_gpu=True) == "sequential"
     argv = [*FAST, "--recipe", "wisp_2of4", "--output-dir", str(tmp_path / "o")]
     with pytest.raises(SystemExit) as exited:  # argparse
         whisper_prune([*argv, "--pipeline", "basic"])

@@ -98,7 +98,7 @@ class Plan:
     writer: bool  # rank 0: evaluates and writes
     batch_size: int | str
     offload_device: str
-    pipeline: str  # PIPELINE_NAME or "sequential"
+    pipeline: str  # PIPELINE_NAME, "sequential" or "auto" (chosen once the model is loaded)
     recipe: Path  # readable and non-empty; parsed by check_inputs
     modifiers: list = field(default_factory=list)
     layout: str = "dense"
@@ -186,8 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help=f"calibration pipeline: '{PIPELINE_NAME}' (this package's, decoder layer by "
         "decoder layer with SDPA attention on a GPU), 'sequential' (oneshot's default: "
-        f"llmcompressor's sequential pipeline) or 'auto' (default: {PIPELINE_NAME} where "
-        "CUDA is, else sequential)",
+        "llmcompressor's sequential pipeline) or 'auto' (default: on a GPU, sequential where "
+        f"the activation cache stays on the GPU, {PIPELINE_NAME} where it does not; "
+        "sequential on a CPU)",
     )
     return parser.parse_args(argv)
 
@@ -213,7 +214,8 @@ def _check_flags(args: argparse.Namespace) -> Plan:
     batch_size = check_batch_size(args.batch_size)
     offload_device = check_offload_device(args.offload_device)
     try:
-        pipeline = methods.calibration_pipeline(args.pipeline)
+        methods.calibration_pipeline(args.pipeline)  # a bad choice, before any work
+        pipeline = args.pipeline
     except ValueError as error:  # $WHISPER_LAYERWISE_ATTENTION
         raise UsageError(f"--pipeline {args.pipeline}: {error}") from error
     distributed.init_from_torchrun()  # under torchrun: join the process group
@@ -300,11 +302,13 @@ def prune_and_save(plan: Plan) -> dict:
     offload_device, batch_size = methods.calibration_settings(
         model, plan.args.num_sequences, plan.args.seq_len, plan.offload_device, plan.batch_size
     )
+    pipeline = methods.calibration_pipeline(plan.pipeline, offload_device == "cuda")
     report["calibration"].update(batch_size=batch_size, offload_device=offload_device,
-                                 pipeline=plan.pipeline)  # fmt: skip
-    logger.info(f"calibration pipeline {plan.pipeline}, batch size {batch_size}, activation "
+                                 pipeline=pipeline)  # fmt: skip
+    chosen = " (--pipeline auto)" if plan.pipeline == "auto" else ""
+    logger.info(f"calibration pipeline {pipeline}{chosen}, batch size {batch_size}, activation "
                 f"cache on {offload_device}")  # fmt: skip
-    ours = {"pipeline": PIPELINE_NAME} if plan.pipeline == PIPELINE_NAME else {}
+    ours = {"pipeline": PIPELINE_NAME} if pipeline == PIPELINE_NAME else {}
     start = time.perf_counter()
     try:
         methods.run_oneshot(model, plan.tokenizer, sequence_dataset(plan.sequences),
