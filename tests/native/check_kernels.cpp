@@ -118,17 +118,28 @@ void check_layer(const Layer& layer, std::mt19937& draw) {
       std::vector<float> ydot(tokens * rows, -1.0f);
       rows_avx512_bf16({x_bf16.data(), columns, layer.kept_bf16.data(), WeightType::bf16,
                         layer.bitmask.data(), ydot.data(), rows, tokens, columns, begin, rows});
-      bool f32 = true, bf16 = true, dot = true;
+      // the op's bfloat16 output: the bias added, each sum rounded once as it is stored
+      std::vector<float> bias(rows);
+      for (auto& b : bias) b = float(value(draw));
+      std::vector<uint16_t> yout(tokens * rows, 0xFFFF);
+      RowsArgs rounded{x_bf16.data(), columns, layer.kept_bf16.data(), WeightType::bf16,
+                       layer.bitmask.data(), nullptr, rows, tokens, columns, begin, rows};
+      rounded.bias = bias.data();
+      rounded.y_bf16 = yout.data();
+      rows_avx512_bf16(rounded);
+      bool f32 = true, bf16 = true, dot = true, out = true;
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t n = 0; n < rows; ++n) {
           const float want = n < begin ? -1.0f : expected[t * rows + n];
           f32 &= y32[t * rows + n] == want;
           bf16 &= y16[t * rows + n] == want;
           dot &= ydot[t * rows + n] == want;
+          out &= yout[t * rows + n] == (n < begin ? 0xFFFF : round_bf16(want + bias[n]));
         }
       expect(f32, "rows_avx512 f32", rows, columns, tokens);
       expect(bf16, "rows_avx512 bf16", rows, columns, tokens);
       expect(dot, "rows_avx512_bf16", rows, columns, tokens);
+      expect(out, "rows_avx512_bf16 with bias, bfloat16 out", rows, columns, tokens);
     }
   }
 }

@@ -65,6 +65,12 @@ def _ops():
     return getattr(torch.ops, CPU_OP_NAMESPACE)
 
 
+@functools.cache
+def _linear():
+    """The ``linear`` op's overload, looked up once (a decode step calls it per layer)."""
+    return _ops().linear.default
+
+
 def _register_fake() -> None:
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::linear")
     def _(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from):
@@ -105,7 +111,7 @@ def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torc
     """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op): the
     row kernels below ``gemm_from`` tokens, the blocked GEMM from it (where it runs:
     ``gemm_runs``), the tiles from ``tiled_from``."""
-    return _ops().linear(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from)
+    return _linear()(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from)
 
 
 def decompress_cpu(compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int):

@@ -12,14 +12,18 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace whisper_sparse24 {
 
 enum class WeightType : int { f32 = 0, bf16 = 1 };
 
-// A row range of y = x W^T for all M tokens. x is [M, K] with row stride ldx (float32, or
-// bfloat16 bits for the *_bf16 kernel), compressed [N, K / 2] of `type`, bitmask
-// [N, ceil(K / 8)] uint8, y [M, N] float32 with row stride ldy; rows [n_begin, n_end).
+// A row range of y = x W^T (+ bias) for all M tokens. x is [M, K] with row stride ldx (float32,
+// or bfloat16 bits for the *_bf16 kernel), compressed [N, K / 2] of `type`, bitmask
+// [N, ceil(K / 8)] uint8; rows [n_begin, n_end). Each float32 sum, plus bias[n] where bias is
+// given ([N] float32), is stored once (store_sum): into y ([M, N] float32, row stride ldy), or
+// rounded to bfloat16 into y_bf16 where that is given (the op's bfloat16 output, written as
+// it is computed).
 struct RowsArgs {
   const void* x;
   int64_t ldx;
@@ -32,7 +36,27 @@ struct RowsArgs {
   int64_t K;
   int64_t n_begin;
   int64_t n_end;
+  const float* bias = nullptr;
+  uint16_t* y_bf16 = nullptr;
 };
+
+// float32 to bfloat16, to nearest even, a NaN to 0x7FC0: as torch rounds (c10::BFloat16).
+inline uint16_t round_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// One output of a row kernel: y[index] (or y_bf16[index]) = sum + bias[row].
+inline void store_sum(const RowsArgs& a, int64_t index, int64_t row, float sum) {
+  if (a.bias != nullptr) sum += a.bias[row];
+  if (a.y_bf16 != nullptr) {
+    a.y_bf16[index] = round_to_bf16(sum);
+  } else {
+    a.y[index] = sum;
+  }
+}
 
 // Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride K).
 struct DecompressArgs {

@@ -56,10 +56,11 @@ constexpr int64_t kPrefetchAhead = 1024;
 template <WeightType W>
 constexpr int64_t kPrefetchEvery = W == WeightType::f32 ? 31 : 63;
 
-// y[t][n + r] for R rows from n and T tokens: each row's kept values and bitmask are walked
+// y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
+// values and bitmask are walked
 // by a pointer of its own.
 template <int R, int T, WeightType W>
-WS_TARGET void rows_block(const RowsArgs& a, const float* x, float* y, int64_t n) {
+WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
   const int64_t whole = a.K & ~int64_t(15);
   const char* values[R];
@@ -104,7 +105,8 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, float* y, int64_t n
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) y[t * a.ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; ++t)
+      store_sum(a, (m + t) * a.ldy + n + r, n + r, _mm512_reduce_add_ps(acc[r][t]));
 }
 
 // Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
@@ -112,11 +114,11 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, float* y, int64_t n
 template <int G, WeightType W>
 WS_TARGET void rows_all_tokens(const RowsArgs& a, const float* x, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, W>(a, x + m * a.ldx, a.y + m * a.ldy, n);
+  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, W>(a, x + m * a.ldx, m, n);
   switch (a.M - m) {
-    case 3: rows_block<G, 3, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
-    case 2: rows_block<G, 2, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
-    case 1: rows_block<G, 1, W>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 3: rows_block<G, 3, W>(a, x + m * a.ldx, m, n); break;
+    case 2: rows_block<G, 2, W>(a, x + m * a.ldx, m, n); break;
+    case 1: rows_block<G, 1, W>(a, x + m * a.ldx, m, n); break;
     default: break;
   }
 }

@@ -33,10 +33,11 @@ WS_TARGET inline __m512i expand32(uint32_t mask, const uint16_t* values, int64_t
   return _mm512_maskz_expand_epi16(mask, kept);
 }
 
-// y[t][n + r] for R rows from n and T tokens: each row's kept values and bitmask are walked
+// y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
+// values and bitmask are walked
 // by a pointer of its own.
 template <int R, int T>
-WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, float* y, int64_t n) {
+WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
   const int64_t whole = a.K & ~int64_t(31);
   const uint16_t* values[R];
@@ -84,7 +85,8 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, float* y, int64_
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) y[t * a.ldy + n + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; ++t)
+      store_sum(a, (m + t) * a.ldy + n + r, n + r, _mm512_reduce_add_ps(acc[r][t]));
 }
 
 // Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
@@ -92,11 +94,11 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, float* y, int64_
 template <int G>
 WS_TARGET void rows_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) rows_block<G, 4>(a, x + m * a.ldx, a.y + m * a.ldy, n);
+  for (; m + 4 <= a.M; m += 4) rows_block<G, 4>(a, x + m * a.ldx, m, n);
   switch (a.M - m) {
-    case 3: rows_block<G, 3>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
-    case 2: rows_block<G, 2>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
-    case 1: rows_block<G, 1>(a, x + m * a.ldx, a.y + m * a.ldy, n); break;
+    case 3: rows_block<G, 3>(a, x + m * a.ldx, m, n); break;
+    case 2: rows_block<G, 2>(a, x + m * a.ldx, m, n); break;
+    case 1: rows_block<G, 1>(a, x + m * a.ldx, m, n); break;
     default: break;
   }
 }
@@ -105,8 +107,8 @@ WS_TARGET void rows_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t n) 
 template <int R, int T>
 WS_TARGET void rows_side_by_side(const RowsArgs& a, const uint16_t* x) {
   int64_t n = a.n_begin;
-  for (; n + R <= a.n_end; n += R) rows_block<R, T>(a, x, a.y, n);
-  for (; n < a.n_end; ++n) rows_block<1, T>(a, x, a.y, n);
+  for (; n + R <= a.n_end; n += R) rows_block<R, T>(a, x, 0, n);
+  for (; n < a.n_end; ++n) rows_block<1, T>(a, x, 0, n);
 }
 
 }  // namespace

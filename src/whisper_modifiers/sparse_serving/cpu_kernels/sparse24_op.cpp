@@ -148,17 +148,25 @@ at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
   return y;
 }
 
+// The row kernels over x2 [M, K]: float32 sums plus the bias (float32), stored once in x's
+// dtype (bfloat16 rounded by the kernels as they store, so no float32 copy of y is made).
 at::Tensor row_kernel_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                             const at::Tensor& bitmask, int64_t in_features) {
+                             const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
+                             int64_t in_features) {
   const int level = active_isa();
   const WeightType type = weight_type(compressed);
-  const bool bf16_dot = level == kAvx512Bf16 && type == WeightType::bf16 &&
-                        x2.scalar_type() == at::kBFloat16;
+  const bool bf16_x = x2.scalar_type() == at::kBFloat16;
+  const bool bf16_dot = level == kAvx512Bf16 && type == WeightType::bf16 && bf16_x;
   const at::Tensor x = bf16_dot ? x2 : x2.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({x.size(0), compressed.size(0)}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({x.size(0), compressed.size(0)}, x2.options());
+  const at::Tensor bias32 = bias.has_value() && bias->defined()
+                                ? bias->to(at::kFloat).contiguous()
+                                : at::Tensor();
   RowsArgs args{x.data_ptr(), in_features, compressed.data_ptr(), type,
-                bitmask.data_ptr<uint8_t>(), y.data_ptr<float>(), compressed.size(0),
-                x.size(0), in_features, 0, 0};
+                bitmask.data_ptr<uint8_t>(), bf16_x ? nullptr : y.data_ptr<float>(),
+                compressed.size(0), x.size(0), in_features, 0, 0,
+                bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+                bf16_x ? static_cast<uint16_t*>(y.data_ptr()) : nullptr};
   const auto kernel = bf16_dot ? rows_avx512_bf16 : level >= kAvx512 ? rows_avx512 : rows_avx2;
   at::parallel_for(0, compressed.size(0), 16, [&](int64_t first, int64_t last) {
     RowsArgs part = args;
@@ -228,9 +236,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::T
     y = tiled_linear(x2, compressed, bitmask, bias, in_features);
   } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed)) {
     y = gemm_linear(x2, compressed, bitmask, bias, in_features);
-  } else {  // float32 sums: the bias is added before the one rounding to x's dtype
-    y = row_kernel_linear(x2, compressed, bitmask, in_features);
-    if (bias.has_value() && bias->defined()) y.add_(*bias);
+  } else {
+    y = row_kernel_linear(x2, compressed, bitmask, bias, in_features);
   }
   auto shape = x.sizes().vec();
   shape.back() = compressed.size(0);
