@@ -290,3 +290,75 @@ inline __m256bh _mm512_cvtneps_pbh(__m512 a) {
   }
   return r;
 }
+
+// ---- the 2:4 GEMM's layout and permutes
+
+inline __m128i _mm_cvtsi64_si128(long long a) {
+  __m128i r{};
+  std::memcpy(r.u8, &a, 8);
+  return r;
+}
+
+inline __m128i _mm_set1_epi8(char value) {
+  __m128i r;
+  std::memset(r.u8, static_cast<unsigned char>(value), 16);
+  return r;
+}
+
+inline __m128i _mm_and_si128(__m128i a, __m128i b) {
+  for (int i = 0; i < 16; ++i) a.u8[i] &= b.u8[i];
+  return a;
+}
+
+inline __m128i _mm_srli_epi16(__m128i a, int count) {
+  for (int i = 0; i < 8; ++i) a.u16[i] = count > 15 ? 0 : uint16_t(a.u16[i] >> count);
+  return a;
+}
+
+inline __m128i _mm_unpacklo_epi8(__m128i a, __m128i b) {  // a0 b0 a1 b1 ... a7 b7
+  __m128i r;
+  for (int i = 0; i < 8; ++i) {
+    r.u8[2 * i] = a.u8[i];
+    r.u8[2 * i + 1] = b.u8[i];
+  }
+  return r;
+}
+
+inline __m512i _mm512_cvtepu8_epi32(__m128i a) {
+  __m512i r;
+  for (int i = 0; i < 16; ++i) r.u32[i] = a.u8[i];
+  return r;
+}
+
+inline __m512i _mm512_load_si512(const void* p) { return _mm512_loadu_si512(p); }
+
+inline __m512i _mm512_permutexvar_epi32(__m512i index, __m512i a) {
+  __m512i r;
+  for (int i = 0; i < 16; ++i) r.u32[i] = a.u32[index.u32[i] & 15];
+  return r;
+}
+
+inline __m512i _mm512_permutexvar_epi16(__m512i index, __m512i a) {
+  __m512i r;
+  for (int i = 0; i < 32; ++i) r.u16[i] = a.u16[index.u16[i] & 31];
+  return r;
+}
+
+inline __m512i _mm512_maskz_loadu_epi32(__mmask16 k, const void* p) {
+  __m512i r{};
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(&r.u32[i], static_cast<const uint32_t*>(p) + i, 4);
+  return r;
+}
+
+inline __m512i _mm512_set1_epi64(long long value) {
+  __m512i r;
+  for (int i = 0; i < 8; ++i) std::memcpy(&r.u8[8 * i], &value, 8);
+  return r;
+}
+
+inline __m512i _mm512_castps_si512(__m512 a) {
+  __m512i r;
+  std::memcpy(r.u8, a.f, 64);
+  return r;
+}

@@ -65,10 +65,16 @@ def _ops():
     return getattr(torch.ops, CPU_OP_NAMESPACE)
 
 
-@functools.cache
+_linear_overload = None
+
+
 def _linear():
-    """The ``linear`` op's overload, looked up once (a decode step calls it per layer)."""
-    return _ops().linear.default
+    """The ``linear`` op's overload, looked up once (a decode step calls it per layer; a
+    global rather than ``functools.cache``, which torch.compile warns about)."""
+    global _linear_overload
+    if _linear_overload is None:
+        _linear_overload = _ops().linear.default
+    return _linear_overload
 
 
 def _register_fake() -> None:

@@ -82,17 +82,16 @@ void decompress_avx512(const DecompressArgs& args);
 // with AVX512_BF16's vdpbf16ps (32 inputs per instruction, float32 accumulators).
 void rows_avx512_bf16(const RowsArgs& args);
 
-// The blocked GEMM, y = x W^T (+ bias), for bfloat16 x and weights: rows [n_begin, n_end) of
-// W are expanded once per call, a block of rows at a time, into a dense row-major buffer, and a
-// register-blocked vdpbf16ps micro-kernel runs every token over it (16 tokens per register).
-// x_pairs is x packed once per call (pack_pairs_avx512_bf16): chunks of kGemmChunk tokens, each
-// [padded_k / 2][kGemmChunk] 32-bit pairs (x[t][2p], x[t][2p + 1]) with padded_k = K rounded up
-// to 32, zeros past K and past M. y [M, N] bfloat16 with row stride ldy: each sum is rounded
-// once, after the bias (float32, [N], or null) is added.
-constexpr int64_t kGemmChunk = 64;
-
+// The 2:4 GEMM, y = x W^T (+ bias), for bfloat16 x and weights, which multiplies the kept
+// values only: per group of four inputs, each row's two kept values meet the two inputs they
+// belong to, picked from the group's four by vpermw. Rows [n_begin, n_end) of W are laid out
+// once per call, a block of rows at a time, as 16 rows per register (their kept pairs, and the
+// positions that pick their inputs), and a register-blocked micro-kernel runs every token
+// over them. x [M, K] bfloat16 with row stride ldx; y [M, N] bfloat16 with row stride ldy:
+// each sum is rounded once, after the bias (float32, [N], or null) is added.
 struct GemmArgs {
-  const uint32_t* x_pairs;
+  const uint16_t* x;
+  int64_t ldx;
   const uint16_t* compressed;
   const uint8_t* bitmask;
   const float* bias;
@@ -104,20 +103,7 @@ struct GemmArgs {
   int64_t n_end;
 };
 
-// x [M, K] bfloat16 (row stride ldx) packed as GemmArgs' x_pairs: pairs [p_begin, p_end) (p_begin
-// a multiple of 16, p_end at most padded_k / 2) of every chunk.
-struct PackArgs {
-  const uint16_t* x;
-  int64_t ldx;
-  int64_t M;
-  int64_t K;
-  float* pairs;  // 32-bit pairs, moved as float32 lanes
-  int64_t p_begin;
-  int64_t p_end;
-};
-
 // sparse24_avx512_bf16_gemm.cpp (AVX-512 F/BW/VL/VBMI2 with BF16)
 void gemm_avx512_bf16(const GemmArgs& args);
-void pack_pairs_avx512_bf16(const PackArgs& args);
 
 }  // namespace whisper_sparse24

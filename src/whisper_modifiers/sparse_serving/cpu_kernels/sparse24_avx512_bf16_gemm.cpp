@@ -1,24 +1,30 @@
-// The blocked 2:4 GEMM on AVX-512 with VBMI2 and BF16 (sparse24.h, GemmArgs), for batched
-// decode and prefill: y = x W^T with every weight expanded once per call, never the whole W.
+// The 2:4 GEMM on AVX-512 with VBMI2 and BF16 (sparse24.h, GemmArgs), for batched decode and
+// prefill: y = x W^T multiplying only the kept values, half the products of a dense GEMM.
 //
-//   for each block of kBlockRows rows of W (a thread's share of the rows):
-//     for each block of kBlockInputs inputs: expand the block's kept values (vpexpandw, by the
-//       bitmask) into a dense row-major buffer (the micro-kernel's broadcast operand);
-//       for each chunk of up to 64 tokens, for each panel of kPairsPerPanel input pairs (x's
-//         panel stays in L1 while every row group of the block runs over it):
-//           micro-kernel: R rows x V registers of 16 tokens, R * V float32 accumulators; per
-//           input pair, V loads of x's pairs, R broadcasts of a weight pair, R * V vdpbf16ps;
-//     the block's float32 sums (kTokensPerPass tokens at a time) are transposed 16 x 16 in
-//     registers, the bias added, rounded once to bfloat16 and stored as y's rows.
+// In a 2:4 row the kept values of a group of four inputs are one 32-bit word of `compressed`,
+// (v0, v1), and the bitmask's nibble says which two of the four inputs they belong to
+// (i0 < i1). For 16 rows at a time a block is laid out once per call:
+//   pairs[g]: the 16 rows' words of group g (a 16 x 16 transpose of the stored words);
+//   picks[g]: per row, (i0, i1) as two 16-bit lanes (the nibble looked up in kPicks).
+// The micro-kernel then broadcasts the group's four inputs of a token (64 bits), vpermw picks
+// each row's two (x[i0], x[i1]), and vdpbf16ps adds v0 x[i0] + v1 x[i1] into the row's float32
+// lane: one permute and one dot product per 16 rows, group and token, where a dense GEMM
+// spends two dot products on the group's four inputs, half of them on zeros.
 //
-// The choices, measured on a 2-core Zen 5 EPYC against dense F.linear (oneDNN), 7B / 8B shapes:
-// 6 x 4 registers over 64-token chunks, about 0.85 of the core's vdpbf16ps peak; the sums
-// stored through a register transpose (scalar stores of them had cost a fifth of the time);
-// x packed chunk by chunk, each panel contiguous (5-8 % faster than one [pairs][M] matrix);
-// 2048-input blocks (the 14336-input 8B down was 3-5 % slower with 4096); the next block's
-// bytes prefetched during the current one. The GEMM performs the dense number of products, so
-// from 64 tokens it is at parity with oneDNN, not ahead of it: 0.93-1.21x in our runs, the
-// spread being mostly the dense side's from run to run.
+//   for each block of kBlockRows rows (a thread's share), kBlockGroups groups at a time:
+//     lay the block out (prefetching the rows' next bytes); for every pair of 16-row
+//     registers and tile of kTile tokens: the micro-kernel (2 x kTile float32 accumulators)
+//     over the block's groups, its sums kept per token and row across blocks of groups;
+//   then each token's sums, plus the bias, rounded once to bfloat16 into y.
+//
+// Measured on a 2-core Zen 5 EPYC: with its operands in L1 the permute micro-kernel did 360
+// GFLOP/s of kept products per core, 720 in a dense GEMM's count, where a dense vdpbf16ps
+// kernel of the same blocking did 522 and oneDNN's dense GEMM reaches about 470. Whole, on
+// the vLLM 1B shapes against vLLM's own dense GEMM (oneDNN on a weight packed once):
+// 0.98-1.05x at 32 tokens, 1.03-1.12x at 64, 1.21-1.28x at 512, 1.15-1.25x at 2048. The
+// layout costs what the micro-kernel does not at few tokens: below about 32 the row kernels
+// win (the plan measures it). Laying a block out once per 512 tokens rather than 256 took
+// 64-token calls from 0.70-0.85x to the figures above (the layout had been a third).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -36,20 +42,40 @@
 namespace whisper_sparse24 {
 namespace {
 
-constexpr int64_t kBlockRows = 48;        // rows of W expanded at a time (a multiple of 16)
-constexpr int64_t kBlockInputs = 2048;    // inputs of W expanded at a time (a multiple of 32)
-constexpr int64_t kPairsPerPanel = 128;   // input pairs of x per micro-kernel call (32 KiB)
-constexpr int64_t kTokensPerPass = 512;   // tokens whose float32 sums a row block holds (96 KiB)
-constexpr int64_t kTokensPerChunk = kGemmChunk;  // tokens per micro-kernel call (4 registers)
+constexpr int64_t kLanes = 16;            // rows per register
+constexpr int64_t kBlockVectors = 4;      // registers of rows per block: 64 rows
+constexpr int64_t kBlockRows = kBlockVectors * kLanes;
+constexpr int64_t kBlockGroups = 512;     // groups of four inputs laid out at a time (2048)
+constexpr int64_t kTokensPerPass = 512;   // tokens whose sums a block holds (128 KiB)
+constexpr int64_t kPanel = 64;            // groups per micro-kernel call (its pairs in L1)
+constexpr int kTile = 8;                  // tokens per micro-kernel call
 
-// Per-thread buffers, allocated once: the expanded block and its sums.
+// Per nibble of the bitmask: the positions of its two marks, i0 | i1 << 16 (0 where it does
+// not mark exactly two; check_compressed refuses such a layer before it is loaded).
+struct PickTable {
+  alignas(64) uint32_t value[16] = {};
+  PickTable() {
+    for (int nibble = 0; nibble < 16; ++nibble) {
+      int found[2], count = 0;
+      for (int i = 0; i < 4; ++i)
+        if (nibble >> i & 1) found[count < 2 ? count : 1] = i, ++count;
+      if (count == 2) value[nibble] = uint32_t(found[0]) | uint32_t(found[1]) << 16;
+    }
+  }
+};
+const PickTable kPicks;
+
+// Per-thread buffers, allocated once: a block's layout and its sums.
 struct Scratch {
-  uint16_t* weights = static_cast<uint16_t*>(
-      std::aligned_alloc(64, kBlockRows * kBlockInputs * sizeof(uint16_t)));
+  __m512i* pairs = static_cast<__m512i*>(
+      std::aligned_alloc(64, kBlockVectors * kBlockGroups * sizeof(__m512i)));
+  __m512i* picks = static_cast<__m512i*>(
+      std::aligned_alloc(64, kBlockVectors * kBlockGroups * sizeof(__m512i)));
   float* sums = static_cast<float*>(
-      std::aligned_alloc(64, kBlockRows * kTokensPerPass * sizeof(float)));
+      std::aligned_alloc(64, kTokensPerPass * kBlockRows * sizeof(float)));
   ~Scratch() {
-    std::free(weights);
+    std::free(pairs);
+    std::free(picks);
     std::free(sums);
   }
 };
@@ -59,128 +85,7 @@ Scratch& scratch() {
   return buffers;
 }
 
-// The stored bytes of the block expand_block takes next (its kept values and bitmask bytes,
-// one range per row and tensor), brought into the cache a few lines per step while the
-// micro-kernel runs over the current block, so that the expansion does not wait on memory.
-class NextBlock {
- public:
-  NextBlock(const GemmArgs& g, int64_t n, int64_t rows, int64_t k0, int64_t inputs,
-            int64_t steps) {
-    const int64_t end = std::min(k0 + inputs, g.K), half_k = g.K / 2;
-    const int64_t mask_row = (g.K + 7) / 8;
-    rows_ = k0 < g.K ? rows : 0;
-    values_ = reinterpret_cast<const char*>(g.compressed + n * half_k + k0 / 2);
-    value_stride_ = half_k * 2;
-    value_lines_ = ((end - k0) + 63) / 64;  // (end - k0) / 2 values of 2 bytes
-    masks_ = reinterpret_cast<const char*>(g.bitmask + n * mask_row + k0 / 8);
-    mask_stride_ = mask_row;
-    mask_lines_ = ((end - k0) / 8 + 64) / 64;
-    per_step_ = (rows_ * (value_lines_ + mask_lines_) + steps - 1) / std::max<int64_t>(steps, 1);
-  }
-
-  void step() {
-    for (int64_t i = 0; i < per_step_ && row_ < rows_; ++i) {
-      const bool value = line_ < value_lines_;
-      const char* line = value ? values_ + row_ * value_stride_ + line_ * 64
-                               : masks_ + row_ * mask_stride_ + (line_ - value_lines_) * 64;
-      __builtin_prefetch(line, 0, 2);
-      if (++line_ == value_lines_ + mask_lines_) {
-        line_ = 0;
-        ++row_;
-      }
-    }
-  }
-
- private:
-  const char* values_;
-  const char* masks_;
-  int64_t value_stride_, value_lines_, mask_stride_, mask_lines_, rows_, per_step_;
-  int64_t row_ = 0, line_ = 0;
-};
-
-// Rows [n, n + rows) of W, inputs [k0, k0 + inputs), dense into `out` ([rows][inputs]); inputs
-// past K are zeros. A whole group of 32 inputs holds exactly 16 kept values (2:4).
-WS_TARGET void expand_block(const GemmArgs& g, int64_t n, int64_t rows, int64_t k0,
-                            int64_t inputs, uint16_t* out) {
-  const int64_t half_k = g.K / 2, mask_bytes = (g.K + 7) / 8;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* values = g.compressed + (n + r) * half_k;
-    const uint8_t* mask_row = g.bitmask + (n + r) * mask_bytes;
-    uint16_t* row = out + r * inputs;
-    for (int64_t k = k0; k < k0 + inputs; k += 32) {
-      __m512i dense;
-      if (k + 32 <= g.K) {
-        uint32_t mask;
-        std::memcpy(&mask, mask_row + k / 8, sizeof(mask));
-        const __m256i kept = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + k / 2));
-        dense = _mm512_maskz_expand_epi16(mask, _mm512_castsi256_si512(kept));
-      } else if (k < g.K) {  // the last 4 .. 28 inputs
-        const int64_t rest = g.K - k;
-        uint32_t mask = 0;
-        std::memcpy(&mask, mask_row + k / 8, (rest + 7) / 8);
-        mask &= (uint32_t(1) << rest) - 1;
-        const __m512i kept =
-            _mm512_maskz_loadu_epi16((uint32_t(1) << (rest / 2)) - 1, values + k / 2);
-        dense = _mm512_maskz_expand_epi16(mask, kept);
-      } else {
-        dense = _mm512_setzero_si512();
-      }
-      _mm512_storeu_si512(row + (k - k0), dense);
-    }
-  }
-}
-
-// sums[r][16 v + t] (+)= sum over `pairs` input pairs p of weights[r][p] . x_pairs[p][16 v + t]
-// (x_pairs' rows kTokensPerChunk apart), for R rows and V registers of 16 tokens; `first`
-// starts the sums at zero.
-template <int R, int V>
-WS_TARGET void micro(const uint32_t* weights, int64_t ld_weights, const uint32_t* x_pairs,
-                     int64_t pairs, float* sums, int64_t ld_sums, bool first) {
-  constexpr int64_t ld_pairs = kTokensPerChunk;
-  __m512 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * ld_sums + 16 * v);
-#pragma GCC unroll 4
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512i x[V];
-    for (int v = 0; v < V; ++v) x[v] = _mm512_loadu_si512(x_pairs + p * ld_pairs + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = _mm512_set1_epi32(static_cast<int>(weights[r * ld_weights + p]));
-      for (int v = 0; v < V; ++v)
-        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)w, (__m512bh)x[v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(sums + r * ld_sums + 16 * v, acc[r][v]);
-}
-
-// Rows per micro-kernel call: R * V accumulators, V x registers and a broadcast fit in 32.
-template <int V>
-constexpr int kRowsPerCall = V == 4 ? 6 : V == 3 ? 8 : 12;
-
-// micro<., V> over `rows` rows: groups of kRowsPerCall<V>, then 4, 2 and 1.
-template <int V>
-WS_TARGET void micro_rows(int64_t rows, const uint32_t* weights, int64_t ld_weights,
-                          const uint32_t* x_pairs, int64_t pairs, float* sums, int64_t ld_sums,
-                          bool first) {
-  constexpr int R = kRowsPerCall<V>;
-  int64_t r = 0;
-  for (; r + R <= rows; r += R)
-    micro<R, V>(weights + r * ld_weights, ld_weights, x_pairs, pairs,
-                sums + r * ld_sums, ld_sums, first);
-  for (; r + 4 <= rows; r += 4)
-    micro<4, V>(weights + r * ld_weights, ld_weights, x_pairs, pairs,
-                sums + r * ld_sums, ld_sums, first);
-  for (; r + 2 <= rows; r += 2)
-    micro<2, V>(weights + r * ld_weights, ld_weights, x_pairs, pairs,
-                sums + r * ld_sums, ld_sums, first);
-  if (r < rows)
-    micro<1, V>(weights + r * ld_weights, ld_weights, x_pairs, pairs,
-                sums + r * ld_sums, ld_sums, first);
-}
-
-// v[i] (16 floats) becomes column i of the 16 x 16 matrix whose rows v held.
+// v[i] (16 lanes of 32 bits) becomes column i of the 16 x 16 matrix whose rows v held.
 WS_TARGET inline void transpose16(__m512 v[16]) {
   __m512 t[16];
   for (int i = 0; i < 8; ++i) {
@@ -204,98 +109,150 @@ WS_TARGET inline void transpose16(__m512 v[16]) {
   }
 }
 
-// y[t][r] = bfloat16(sums[r][t] + bias[r]) for `rows` rows and `tokens` tokens, 16 x 16 at a
-// time through registers (sums rows past `rows` are read but never stored).
-WS_TARGET void store_rows(const float* sums, int64_t ld_sums, int64_t rows, int64_t tokens,
-                          const float* bias, uint16_t* y, int64_t ldy) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-    const int64_t count = std::min<int64_t>(16, rows - r0);
-    const __mmask16 kept = __mmask16((uint32_t(1) << count) - 1);
-    const __m512 add = bias ? _mm512_maskz_loadu_ps(kept, bias + r0) : _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < tokens; t0 += 16) {
-      __m512 v[16];
-      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(sums + (r0 + i) * ld_sums + t0);
-      transpose16(v);
-      const int64_t last = std::min<int64_t>(16, tokens - t0);
-      for (int64_t t = 0; t < last; ++t) {
-        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v[t], add));
-        _mm256_mask_storeu_epi16(y + (t0 + t) * ldy + r0, kept, rounded);
+// The picks of 16 groups of one row: its 8 bitmask bytes' nibbles, in order, looked up.
+WS_TARGET inline __m512i row_picks(const uint8_t* mask, int64_t groups) {
+  uint64_t bytes = 0;
+  if (groups == 16) {
+    std::memcpy(&bytes, mask, 8);
+  } else {
+    std::memcpy(&bytes, mask, (groups + 1) / 2);
+  }
+  const __m128i packed = _mm_cvtsi64_si128(static_cast<long long>(bytes));
+  const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+  const __m512i nibbles = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high));
+  return _mm512_permutexvar_epi32(nibbles, _mm512_load_si512(kPicks.value));
+}
+
+constexpr int64_t kPrefetchChunks = 8;  // lay_out asks for a row's words 8 x 64 bytes ahead
+
+// Rows [n, n + 16 * vectors) (those before n_end), groups [g0, g0 + groups) of the layer, as
+// pairs[v][g] and picks[v][g] (v < vectors, g < groups; rows past n_end are zeros).
+WS_TARGET void lay_out(const GemmArgs& a, int64_t n, int64_t vectors, int64_t g0, int64_t groups,
+                       __m512i* pairs, __m512i* picks) {
+  const int64_t words_per_row = a.K / 4, mask_bytes = (a.K + 7) / 8;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(a.compressed);
+  for (int64_t v = 0; v < vectors; ++v) {
+    for (int64_t g = g0; g < g0 + groups; g += 16) {
+      const int64_t count = std::min<int64_t>(16, g0 + groups - g);
+      const __mmask16 in_row = __mmask16((uint32_t(1) << count) - 1);
+      __m512 kept[16], where[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t row = n + kLanes * v + i;
+        if (row < a.n_end) {
+          __builtin_prefetch(words + row * words_per_row + g + 16 * kPrefetchChunks, 0, 3);
+          if ((g & 127) == 0) __builtin_prefetch(a.bitmask + row * mask_bytes + g / 2 + 64, 0, 3);
+          kept[i] = _mm512_castsi512_ps(
+              _mm512_maskz_loadu_epi32(in_row, words + row * words_per_row + g));
+          where[i] = _mm512_castsi512_ps(row_picks(a.bitmask + row * mask_bytes + g / 2, count));
+        } else {
+          kept[i] = where[i] = _mm512_setzero_ps();
+        }
+      }
+      transpose16(kept);  // now group g + j's 16 rows
+      transpose16(where);
+      const int64_t at = v * kBlockGroups + (g - g0);
+      for (int64_t j = 0; j < count; ++j) {
+        pairs[at + j] = _mm512_castps_si512(kept[j]);
+        picks[at + j] = _mm512_castps_si512(where[j]);
       }
     }
   }
 }
 
-// One chunk of tokens over the expanded block, panel by panel.
+// sums[t][16 v + r] (+)= sum over `groups` groups g of row r's v0 x[t][i0] + v1 x[t][i1], for
+// V registers of rows (pairs / picks kBlockGroups apart) and T tokens from x (row stride ldx,
+// at the first group); `first` starts the sums at zero.
+template <int V, int T>
+WS_TARGET void micro(const __m512i* pairs, const __m512i* picks, const uint16_t* x, int64_t ldx,
+                     int64_t groups, float* sums, bool first) {
+  __m512 acc[V][T];
+  for (int v = 0; v < V; ++v)
+    for (int t = 0; t < T; ++t)
+      acc[v][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + t * kBlockRows + 16 * v);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[V], p[V];
+    for (int v = 0; v < V; ++v) {
+      w[v] = _mm512_load_si512(pairs + v * kBlockGroups + g);
+      p[v] = _mm512_load_si512(picks + v * kBlockGroups + g);
+    }
+    for (int t = 0; t < T; ++t) {
+      long long four;
+      std::memcpy(&four, x + t * ldx + 4 * g, sizeof(four));
+      const __m512i inputs = _mm512_set1_epi64(four);
+      for (int v = 0; v < V; ++v)
+        acc[v][t] = _mm512_dpbf16_ps(acc[v][t], (__m512bh)w[v],
+                                     (__m512bh)_mm512_permutexvar_epi16(p[v], inputs));
+    }
+  }
+  for (int v = 0; v < V; ++v)
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(sums + t * kBlockRows + 16 * v, acc[v][t]);
+}
+
+// micro<V, .> over `tokens` tokens: tiles of kTile, then the rest.
 template <int V>
-WS_TARGET void chunk(int64_t rows, const uint16_t* weights, int64_t inputs,
-                     const uint32_t* x_pairs, float* sums, bool first_block, NextBlock& next) {
-  const uint32_t* weight_pairs = reinterpret_cast<const uint32_t*>(weights);
-  for (int64_t p = 0; p < inputs / 2; p += kPairsPerPanel) {
-    const int64_t pairs = std::min(kPairsPerPanel, inputs / 2 - p);
-    next.step();
-    micro_rows<V>(rows, weight_pairs + p, inputs / 2, x_pairs + p * kTokensPerChunk, pairs, sums,
-                  kTokensPerPass, first_block && p == 0);
+WS_TARGET void tokens_tiled(const __m512i* pairs, const __m512i* picks, const uint16_t* x,
+                            int64_t ldx, int64_t groups, float* sums, int64_t tokens,
+                            bool first) {
+  int64_t t = 0;
+  for (; t + kTile <= tokens; t += kTile)
+    micro<V, kTile>(pairs, picks, x + t * ldx, ldx, groups, sums + t * kBlockRows, first);
+  x += t * ldx, sums += t * kBlockRows;
+  switch (tokens - t) {
+    case 7: micro<V, 7>(pairs, picks, x, ldx, groups, sums, first); break;
+    case 6: micro<V, 6>(pairs, picks, x, ldx, groups, sums, first); break;
+    case 5: micro<V, 5>(pairs, picks, x, ldx, groups, sums, first); break;
+    case 4: micro<V, 4>(pairs, picks, x, ldx, groups, sums, first); break;
+    case 3: micro<V, 3>(pairs, picks, x, ldx, groups, sums, first); break;
+    case 2: micro<V, 2>(pairs, picks, x, ldx, groups, sums, first); break;
+    case 1: micro<V, 1>(pairs, picks, x, ldx, groups, sums, first); break;
+    default: break;
+  }
+}
+
+// y[t][n + r] = bfloat16(sums[t][r] + bias[n + r]) for the block's rows before n_end.
+WS_TARGET void store_block(const GemmArgs& a, const float* sums, int64_t n, int64_t t0,
+                           int64_t tokens) {
+  for (int64_t r = 0; r < kBlockRows && n + r < a.n_end; r += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, a.n_end - n - r);
+    const __mmask16 rows = __mmask16((uint32_t(1) << count) - 1);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(rows, a.bias + n + r) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + t * kBlockRows + r), bias);
+      _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.ldy + n + r, rows,
+                               (__m256i)_mm512_cvtneps_pbh(sum));
+    }
   }
 }
 
 }  // namespace
 
-WS_TARGET void gemm_avx512_bf16(const GemmArgs& g) {
+WS_TARGET void gemm_avx512_bf16(const GemmArgs& a) {
   Scratch& buffers = scratch();
-  const int64_t padded_k = (g.K + 31) & ~int64_t(31);
-  for (int64_t t0 = 0; t0 < g.M; t0 += kTokensPerPass) {
-    const int64_t tokens = std::min(kTokensPerPass, g.M - t0);
-    const int64_t chunks = (tokens + kTokensPerChunk - 1) / kTokensPerChunk;
-    for (int64_t n = g.n_begin; n < g.n_end; n += kBlockRows) {
-      const int64_t rows = std::min(kBlockRows, g.n_end - n);
-      for (int64_t k0 = 0; k0 < padded_k; k0 += kBlockInputs) {
-        const int64_t inputs = std::min(kBlockInputs, padded_k - k0);
-        expand_block(g, n, rows, k0, inputs, buffers.weights);
-        // what expand_block takes next: these rows' next inputs, else the next rows' first
-        const bool more_inputs = k0 + inputs < padded_k;
-        const int64_t next_n = more_inputs ? n : n + kBlockRows;
-        const int64_t next_rows = std::min(kBlockRows, g.n_end - next_n);
-        const int64_t next_k0 = more_inputs ? k0 + inputs : 0;
-        const int64_t panels = (inputs / 2 + kPairsPerPanel - 1) / kPairsPerPanel;
-        NextBlock next(g, next_n, next_n < g.n_end ? next_rows : 0, next_k0,
-                       std::min(kBlockInputs, padded_k - next_k0), chunks * panels);
-        for (int64_t t = 0; t < tokens; t += kTokensPerChunk) {
-          const uint32_t* x_pairs =
-              g.x_pairs + ((t0 + t) / kTokensPerChunk * (padded_k / 2) + k0 / 2) * kTokensPerChunk;
-          float* sums = buffers.sums + t;
-          const bool first = k0 == 0;
-          const uint16_t* w = buffers.weights;
-          switch ((std::min(kTokensPerChunk, tokens - t) + 15) / 16) {
-            case 4: chunk<4>(rows, w, inputs, x_pairs, sums, first, next); break;
-            case 3: chunk<3>(rows, w, inputs, x_pairs, sums, first, next); break;
-            case 2: chunk<2>(rows, w, inputs, x_pairs, sums, first, next); break;
-            default: chunk<1>(rows, w, inputs, x_pairs, sums, first, next);
-          }
+  const int64_t all_groups = a.K / 4;
+  for (int64_t t0 = 0; t0 < a.M; t0 += kTokensPerPass) {
+    const int64_t tokens = std::min(kTokensPerPass, a.M - t0);
+    for (int64_t n = a.n_begin; n < a.n_end; n += kBlockRows) {
+      const int64_t vectors = std::min(kBlockVectors, (a.n_end - n + kLanes - 1) / kLanes);
+      for (int64_t g0 = 0; g0 < all_groups; g0 += kBlockGroups) {
+        const int64_t groups = std::min(kBlockGroups, all_groups - g0);
+        lay_out(a, n, vectors, g0, groups, buffers.pairs, buffers.picks);
+        for (int64_t p = 0; p < groups; p += kPanel) {  // a panel's pairs stay in L1
+          const int64_t panel = std::min(kPanel, groups - p);
+          const uint16_t* x = a.x + t0 * a.ldx + 4 * (g0 + p);
+          const bool first = g0 == 0 && p == 0;
+          int64_t v = 0;
+          for (; v + 2 <= vectors; v += 2)
+            tokens_tiled<2>(buffers.pairs + v * kBlockGroups + p,
+                            buffers.picks + v * kBlockGroups + p, x, a.ldx, panel,
+                            buffers.sums + 16 * v, tokens, first);
+          if (v < vectors)
+            tokens_tiled<1>(buffers.pairs + v * kBlockGroups + p,
+                            buffers.picks + v * kBlockGroups + p, x, a.ldx, panel,
+                            buffers.sums + 16 * v, tokens, first);
         }
       }
-      store_rows(buffers.sums, kTokensPerPass, rows, tokens, g.bias ? g.bias + n : nullptr,
-                 g.y + t0 * g.ldy + n, g.ldy);
-    }
-  }
-}
-
-WS_TARGET void pack_pairs_avx512_bf16(const PackArgs& a) {
-  const int64_t half_padded_k = ((a.K + 31) & ~int64_t(31)) / 2;
-  const int64_t padded_m = (a.M + kGemmChunk - 1) / kGemmChunk * kGemmChunk;
-  for (int64_t p0 = a.p_begin; p0 < a.p_end; p0 += 16) {
-    // the bfloat16 lanes of x's rows that hold pairs [p0, p0 + 16) before K
-    const int64_t lanes = std::max<int64_t>(0, std::min<int64_t>(32, a.K - 2 * p0));
-    const __mmask32 in_x = lanes == 32 ? 0xFFFFFFFFu : (uint32_t(1) << lanes) - 1;
-    const int64_t count = std::min<int64_t>(16, a.p_end - p0);
-    for (int64_t t0 = 0; t0 < padded_m; t0 += 16) {
-      __m512 v[16];  // token t0 + i's 16 pairs
-      for (int i = 0; i < 16; ++i)
-        v[i] = t0 + i < a.M ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(
-                                  in_x, a.x + (t0 + i) * a.ldx + 2 * p0))
-                            : _mm512_setzero_ps();
-      transpose16(v);  // now pair p0 + j's 16 tokens
-      float* chunk = a.pairs + (t0 / kGemmChunk) * half_padded_k * kGemmChunk + t0 % kGemmChunk;
-      for (int64_t j = 0; j < count; ++j) _mm512_storeu_ps(chunk + (p0 + j) * kGemmChunk, v[j]);
+      store_block(a, buffers.sums, n, t0, tokens);
     }
   }
 }

@@ -6,8 +6,8 @@
 //       tokens M (the thresholds come from cpu_plans' measurements):
 //       * M < gemm_from (decode): the row kernels expand the kept values in registers;
 //       * gemm_from <= M < tiled_from, for bfloat16 x and W where the kernels are avx512_bf16:
-//         the blocked GEMM (sparse24_avx512_bf16_gemm.cpp) over x packed once (pack_pairs);
-//         elsewhere the row kernels;
+//         the 2:4 GEMM (sparse24_avx512_bf16_gemm.cpp), which multiplies the kept values
+//         only; elsewhere the row kernels;
 //       * M >= tiled_from: cache-sized tiles of W are expanded into a buffer and multiplied by
 //         ATen's dense GEMM (oneDNN; AMX where the CPU has it), in bfloat16 where the kernels
 //         are avx512_bf16, else in float32 (tile_dtype).
@@ -183,37 +183,20 @@ bool gemm_runs(const at::Tensor& x2, const at::Tensor& compressed) {
          compressed.scalar_type() == at::kBFloat16;
 }
 
-// x2 [M, K] bfloat16 as the GEMM reads it (GemmArgs::x_pairs), packed by threads that take
-// whole groups of 16 pairs.
-at::Tensor pack_pairs(const at::Tensor& x2, int64_t padded_k) {
-  const int64_t chunks = (x2.size(0) + kGemmChunk - 1) / kGemmChunk;
-  at::Tensor pairs = at::empty({chunks, padded_k / 2, kGemmChunk}, x2.options().dtype(at::kFloat));
-  PackArgs args{static_cast<const uint16_t*>(x2.data_ptr()), x2.size(1), x2.size(0), x2.size(1),
-                pairs.data_ptr<float>(), 0, 0};
-  at::parallel_for(0, padded_k / 32, 4, [&](int64_t first, int64_t last) {
-    PackArgs part = args;
-    part.p_begin = first * 16;
-    part.p_end = std::min(padded_k / 2, last * 16);
-    pack_pairs_avx512_bf16(part);
-  });
-  return pairs;
-}
-
 at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
                        const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
                        int64_t in_features) {
   const int64_t tokens = x2.size(0), rows = compressed.size(0);
-  const at::Tensor pairs = pack_pairs(x2, (in_features + 31) / 32 * 32);
   const at::Tensor bias32 = bias.has_value() && bias->defined()
                                 ? bias->to(at::kFloat).contiguous()
                                 : at::Tensor();
   at::Tensor y = at::empty({tokens, rows}, x2.options());
-  GemmArgs args{reinterpret_cast<const uint32_t*>(pairs.data_ptr()),
+  GemmArgs args{static_cast<const uint16_t*>(x2.data_ptr()), in_features,
                 static_cast<const uint16_t*>(compressed.data_ptr()), bitmask.data_ptr<uint8_t>(),
                 bias32.defined() ? bias32.data_ptr<float>() : nullptr,
                 static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0};
-  // threads take whole groups of 16 rows (the GEMM stores 16 rows of a token at a time)
-  at::parallel_for(0, (rows + 15) / 16, 3, [&](int64_t first, int64_t last) {
+  // threads take whole groups of 16 rows (one register of rows)
+  at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t first, int64_t last) {
     GemmArgs part = args;
     part.n_begin = first * 16;
     part.n_end = std::min(rows, last * 16);
