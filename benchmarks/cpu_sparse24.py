@@ -7,7 +7,7 @@ For each projection of Llama-2-7B and Llama-3-8B as vLLM runs it (qkv and gate_u
 random weights pruned 2:4 by magnitude, at each token count: dense ``F.linear`` on the
 dense weight against the op on the compressed tensors (``sparse_serving.cpu_op``: the op
 with the measured plan's choice, as served, and each of its paths: row kernels up to
-``--rows-up-to`` tokens, the blocked GEMM where it runs, the tiles). Distinct copies of the
+``--rows-up-to`` tokens, the 2:4 GEMM where it runs, the tiles). Distinct copies of the
 weights are cycled (at least ``--working-set`` MiB of each) so that no call finds its
 weight in cache: decode reads every weight from memory, as in a served model. The sides
 alternate, one pass each per round, and every time is the median over ``--repeats``
@@ -141,7 +141,7 @@ def markdown(payload: dict) -> str:
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
              f"CPU: {payload['cpu']}", "",
              "Ratio: dense time / op time (above 1: the op is faster); the op as served "
-             "(its measured plan picks row kernels, blocked GEMM or tiles). Each time is the "
+             "(its measured plan picks row kernels, 2:4 GEMM or tiles). Each time is the "
              "median of rounds that run every side in turn. GiB/s: weight bytes read per "
              "second (compressed for the op); -: not measured (rows above "
              f"{payload['rows_up_to']} tokens; the GEMM where it does not run)."

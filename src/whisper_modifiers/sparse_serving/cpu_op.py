@@ -11,8 +11,9 @@ tokens (the thresholds are ``cpu_plans``' measurements):
   registers: AVX-512 expands (VBMI2), with AVX512_BF16's dot product for bfloat16, or a
   shuffle table on AVX2;
 * from ``gemm_from`` (batched decode, prefill), for bfloat16 on ``avx512_bf16`` kernels
-  (``gemm_runs``), its blocked GEMM expands each block of weight rows once into a buffer
-  that a register-blocked ``vdpbf16ps`` micro-kernel runs every token over;
+  (``gemm_runs``), its 2:4 GEMM multiplies the kept values only: per group of four
+  inputs, ``vpermw`` picks the two inputs each row's two kept values belong to, then one
+  ``vdpbf16ps`` (half a dense GEMM's products);
 * from ``tiled_from``, it expands about 1 MiB of weight rows at a time and hands them to
   ATen's dense GEMM (oneDNN: AMX where the CPU has it).
 
@@ -105,7 +106,7 @@ def set_cpu_isa(name: str) -> None:
 
 
 def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
-    """Whether the op's blocked GEMM runs ``x_dtype`` activations with ``weight_dtype``
+    """Whether the op's 2:4 GEMM runs ``x_dtype`` activations with ``weight_dtype``
     weights here: bfloat16 both, on the ``avx512_bf16`` kernels (elsewhere the token counts
     given to it run the row kernels)."""
     return cpu_isa() == "avx512_bf16" and x_dtype == weight_dtype == torch.bfloat16
@@ -115,7 +116,7 @@ def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torc
                         bias: torch.Tensor | None, in_features: int, tiled_from: int = NO_TILES,
                         gemm_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op): the
-    row kernels below ``gemm_from`` tokens, the blocked GEMM from it (where it runs:
+    row kernels below ``gemm_from`` tokens, the 2:4 GEMM from it (where it runs:
     ``gemm_runs``), the tiles from ``tiled_from``."""
     return _linear()(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from)
 

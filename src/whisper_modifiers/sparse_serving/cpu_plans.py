@@ -4,7 +4,7 @@ on disk (as ``dispatch_plans`` does for GPUs).
 
 On a random 2:4 weight of the layer's shape, at each ``TOKEN_LADDER`` count, the op's three
 paths are timed against each other and against the dense ``F.linear`` of the same weight:
-its row kernels, its blocked GEMM (``gemm_runs``: bfloat16 on ``avx512_bf16`` kernels) and
+its row kernels, its 2:4 GEMM (``gemm_runs``: bfloat16 on ``avx512_bf16`` kernels) and
 its tiles (ATen's GEMM on expanded tiles). The plan runs each token count on the path that
 won there (``gemm_from``, ``tiled_from``; the tiles, which stand for ATen's GEMM and so
 for AMX where the CPU has it, must win by ``TILES_MARGIN``), and says whether the op beat
@@ -49,7 +49,7 @@ PATHS = ("rows", "gemm", "tiles")
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """The op's path by token count: the row kernels below ``gemm_from``, the blocked GEMM
+    """The op's path by token count: the row kernels below ``gemm_from``, the 2:4 GEMM
     from it, the tiles from ``tiled_from`` (``NO_TILES``: never); ``faster_at_decode``:
     whether the op beat dense at one token; ``speedups``: dense time / op time at each
     measured token count, as ``(tokens, ratio)`` pairs (for the log)."""

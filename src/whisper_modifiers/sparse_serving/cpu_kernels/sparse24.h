@@ -5,7 +5,7 @@
 // so a kernel walks both tensors in step and expands the kept values in registers.
 //
 // One file per instruction set (each function carries its own target attribute, so no file is
-// compiled for a CPU it may not run on; AVX-512 BF16 has two: its row kernels and its blocked
+// compiled for a CPU it may not run on; AVX-512 BF16 has two: its row kernels and its 2:4
 // GEMM), this header, and sparse24_op.cpp: the run-time dispatch from the CPU's flags and the
 // torch op. The pure-torch reference the tests compare them with is format.decompress_24
 // followed by F.linear.

@@ -177,7 +177,7 @@ at::Tensor row_kernel_linear(const at::Tensor& x2, const at::Tensor& compressed,
   return y;
 }
 
-// Whether the blocked GEMM runs x of this dtype with these weights here.
+// Whether the 2:4 GEMM runs x of this dtype with these weights here.
 bool gemm_runs(const at::Tensor& x2, const at::Tensor& compressed) {
   return active_isa() == kAvx512Bf16 && x2.scalar_type() == at::kBFloat16 &&
          compressed.scalar_type() == at::kBFloat16;
