@@ -166,3 +166,65 @@ def test_sentencepiece_bpe_tokenizer_from_gguf(tmp_path):
     tokenizer.save_pretrained(tmp_path / "saved")
     reloaded = AutoTokenizer.from_pretrained(tmp_path / "saved")
     assert reloaded("abc ab\nc", add_special_tokens=False)["input_ids"] == expected
+
+
+def test_lm_eval_reads_a_compressed_checkpoint_through_whisper_lm_eval(tmp_path, tokenizer):
+    """lm-eval's own command line cannot load a compressed checkpoint (nothing imports this
+    package in its process); ``whisper-lm-eval``, the same command line with the package
+    imported first, does, and scores what the checkpoint holds: its accuracy on a local
+    task equals ``downstream`` on the model transformers loads from it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import MODEL_DIR
+    from whisper_modifiers.sparse_serving.layout import write_sparse24
+
+    checkpoint = tmp_path / "compressed"
+    model = load_model()
+    with torch.no_grad():  # every decoder Linear 2:4 by magnitude
+        targets = [name for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and name != "lm_head"]  # fmt: skip
+        for name in targets:
+            weight = model.get_submodule(name).weight
+            groups = weight.reshape(weight.shape[0], -1, 4)
+            keep = torch.zeros_like(groups, dtype=torch.bool)
+            keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
+            weight.copy_((groups * keep).reshape(weight.shape))
+    model.save_pretrained(checkpoint)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(MODEL_DIR / name, checkpoint / name)
+    write_sparse24(checkpoint, targets)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    docs = [{"question": q, "choices": c, "gold": g} for q, c, g in [
+        ("Once upon a time there was a little", ["girl", "car"], 0),
+        ("The dog said", ["woof", "table"], 0), ("She was very", ["happy", "seven"], 1),
+        ("They went to the", ["park", "blue"], 0)]]  # fmt: skip
+    (tasks / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
+    (tasks / "tiny.yaml").write_text(
+        f"task: tiny_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tasks / 'docs.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: gold\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    args = ["run", "--model", "hf", "--model_args", f"pretrained={checkpoint},dtype=float32",
+            "--tasks", "tiny_local", "--include_path", str(tasks), "--device", "cpu",
+            "--output_path", str(tmp_path / "out")]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    scripts = Path(sys.executable).parent
+    stock = subprocess.run([str(scripts / "lm-eval"), *args], capture_output=True, text=True,
+                           env=env, timeout=600)  # fmt: skip
+    assert stock.returncode != 0 and "Unknown quantization type" in stock.stdout + stock.stderr
+    ours = subprocess.run([str(scripts / "whisper-lm-eval"), *args], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert ours.returncode == 0, (ours.stdout + ours.stderr)[-3000:]
+    (result,) = (tmp_path / "out").rglob("results_*.json")
+    accuracy = json.loads(result.read_text())["results"]["tiny_local"]["acc,none"]
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    expected = downstream(loaded, tokenizer, tasks={"tiny_local": 0}, include_path=tasks)
+    assert math.isclose(accuracy, expected["tiny_local"]["acc"])
