@@ -181,11 +181,15 @@ def plot(payload: dict, path: Path) -> None:
 
     figure, axis = plt.subplots(figsize=(7, 4.2))
     for key, rows in payload["shapes"].items():
-        axis.plot([r["tokens"] for r in rows], [r["ratio"] for r in rows], marker="o", label=key)
+        tokens = [r["tokens"] for r in rows]
+        (line,) = axis.plot(tokens, [r["ratio"] for r in rows], marker="o", label=key)
+        if all(r.get("vllm_ratio") for r in rows):  # against vLLM's own dense GEMM: dashed
+            axis.plot(tokens, [r["vllm_ratio"] for r in rows], linestyle="--", marker=".",
+                      color=line.get_color())  # fmt: skip
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("tokens per call (M)")
-    axis.set_ylabel("dense time / 2:4 op time")
+    axis.set_ylabel("dense time / 2:4 op time\n(solid: F.linear; dashed: vLLM's oneDNN)")
     axis.set_title(f"2:4 CPU op, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
     axis.legend(fontsize=7, ncol=2)
     figure.tight_layout()

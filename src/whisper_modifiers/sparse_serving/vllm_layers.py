@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 _LEGACY_FORMAT = "sparse-24-bitmask"
-logger = init_logger(__name__)
+# under vLLM's own logger, so that its handler prints these lines with its own (a logger
+# outside the "vllm" namespace has no handler in a vLLM process and says nothing)
+logger = init_logger(f"vllm.plugins.{__name__}")
 
 
 class Sparse24LinearMethod(UnquantizedLinearMethod):
