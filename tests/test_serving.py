@@ -486,10 +486,11 @@ def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     speed = runpy.run_path(str(REPO / "benchmarks" / "vllm_speed.py"))
     argv = ["--shape", "tiny", "--layers", "2", "--dtype", "float32", "--modes", "sparse",
-            "--workloads", "prefill:2x64", "decode:2x8", "--repeats", "1", "--profile",
+            "--workloads", "prefill:2x64", "decode:2x8", "--repeats", "1", "--rounds", "1",
+            "--profile",
             "--timeout", str(VLLM_TIMEOUT), "--out", str(tmp_path)]  # fmt: skip
     assert speed["main"](argv) == 0
-    engines = json.loads((tmp_path / "vllm_speed.json").read_text())["engines"]
+    engines = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]
     assert list(engines) == ["dense@0", "2:4 sparse@0"]
     dense, sparse24 = engines.values()
     assert dense["weights"]["layers"] == 0
