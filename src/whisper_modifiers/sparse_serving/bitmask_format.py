@@ -23,6 +23,7 @@ import torch
 
 from whisper_modifiers.sparse_serving.format import (
     CorruptCheckpointError,
+    check_part_shapes,
     nonzero,
     pack_bits,
     unpack_bits,
@@ -65,16 +66,8 @@ def check_bitmask(compressed, bitmask, row_offsets, shape, name: str = "weight")
     the marked values. Raises ``CorruptCheckpointError`` naming the layer and the tensor
     (``compressed`` is read for its shape only: a meta tensor will do)."""
     rows, columns = int(shape[0]), int(shape[1])
-    expected = {"bitmask": (rows, -(-columns // 8)), "row_offsets": (rows,)}
-    for part, tensor in (("bitmask", bitmask), ("row_offsets", row_offsets)):
-        if tuple(tensor.shape) != expected[part]:
-            raise CorruptCheckpointError(
-                f"{name}.{part} has shape {tuple(tensor.shape)}, but {name}.shape "
-                f"[{rows}, {columns}] needs {expected[part]}; the checkpoint is truncated or "
-                "corrupt"
-            )
-    if bitmask.dtype != torch.uint8:
-        raise CorruptCheckpointError(f"{name}.bitmask is {bitmask.dtype}, not uint8")
+    check_part_shapes(name, shape, {"bitmask": (bitmask, (rows, -(-columns // 8))),
+                                    "row_offsets": (row_offsets, (rows,))})  # fmt: skip
     if row_offsets.dtype not in (torch.int32, torch.int64):
         raise CorruptCheckpointError(f"{name}.row_offsets is {row_offsets.dtype}, not int64")
     if compressed.dim() != 1:

@@ -24,6 +24,7 @@ __all__ = [
     "STOCK_LOADER_GUARD",
     "CorruptCheckpointError",
     "check_compressed",
+    "check_part_shapes",
     "NotTwoFourError",
     "check_two_four",
     "compress_24",
@@ -135,6 +136,26 @@ def _nibble_table(high_marks: int | None) -> torch.Tensor:
 _FULL_BYTE, _LAST_HALF_BYTE = _nibble_table(None), _nibble_table(0)
 
 
+def check_part_shapes(name: str, shape, parts: dict, note: str = "",
+                      holdable: bool = True) -> None:  # fmt: skip
+    """Raise ``CorruptCheckpointError`` naming the first of a stored layer's ``parts``
+    (part -> ``(tensor, expected shape)``) whose shape is not the one the layer's ``shape``
+    needs (``note`` says what the layout needs of it), or the first part where the layout
+    cannot hold a layer of that ``shape`` at all (not ``holdable``); a bitmask that is not
+    uint8 too."""
+    rows, columns = int(shape[0]), int(shape[1])
+    for part, (tensor, expected) in parts.items():
+        if not holdable or tuple(tensor.shape) != tuple(expected):
+            raise CorruptCheckpointError(
+                f"{name}.{part} has shape {tuple(tensor.shape)}, but {name}.shape "
+                f"[{rows}, {columns}] needs {tuple(expected)}{note}; the checkpoint is "
+                "truncated or corrupt"
+            )
+    bitmask = parts.get("bitmask", (None,))[0]
+    if bitmask is not None and bitmask.dtype != torch.uint8:
+        raise CorruptCheckpointError(f"{name}.bitmask is {bitmask.dtype}, not uint8")
+
+
 def check_compressed(compressed, bitmask, shape, name: str = "weight") -> None:
     """Check a stored 2:4 layer ``name`` in one table look-up per bitmask byte (a byte
     holds two groups of four inputs): the shapes agree with ``shape``, every group marks
@@ -142,16 +163,9 @@ def check_compressed(compressed, bitmask, shape, name: str = "weight") -> None:
     ``compressed``'s values. Raises ``CorruptCheckpointError`` naming the layer and the
     tensor (``compressed`` is read for its shape only: a meta tensor will do)."""
     rows, columns = int(shape[0]), int(shape[1])
-    expected = {"bitmask": (rows, -(-columns // 8)), "compressed": (rows, columns // 2)}
-    for part, tensor in (("bitmask", bitmask), ("compressed", compressed)):
-        if columns % 4 or tuple(tensor.shape) != expected[part]:
-            raise CorruptCheckpointError(
-                f"{name}.{part} has shape {tuple(tensor.shape)}, but {name}.shape "
-                f"[{rows}, {columns}] needs {expected[part]} (inputs a multiple of 4); the "
-                "checkpoint is truncated or corrupt"
-            )
-    if bitmask.dtype != torch.uint8:
-        raise CorruptCheckpointError(f"{name}.bitmask is {bitmask.dtype}, not uint8")
+    check_part_shapes(name, shape, {"bitmask": (bitmask, (rows, -(-columns // 8))),
+                                    "compressed": (compressed, (rows, columns // 2))},
+                      " (inputs a multiple of 4)", holdable=columns % 4 == 0)  # fmt: skip
     values = bitmask.to(torch.long)
     full = columns // 8
     valid = _FULL_BYTE.to(bitmask.device)[values[:, :full]].all()
