@@ -20,10 +20,13 @@ import torch.nn.functional as F
 
 from whisper_modifiers.serving.probe import cpu_flag_set
 from whisper_modifiers.sparse_serving import cpu_build
+from whisper_modifiers.sparse_serving.bitmask_format import compress_bitmask
 from whisper_modifiers.sparse_serving.cpu_build import SOURCE_DIR
 from whisper_modifiers.sparse_serving.cpu_op import (
     CPU_ISAS,
     NO_TILES,
+    bitmask_cpu_linear,
+    bitmask_decompress_cpu,
     cpu_isa,
     cpu_kernels_unavailable,
     decompress_cpu,
@@ -270,3 +273,69 @@ def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_plans, "loaded_build_key", lambda: "another build")
     cpu_plans.cpu_plan(8, 32, torch.float32)
     assert measured[-1] == "another build" and len(measured) == 2
+
+
+# ---- unstructured layers (bitmask_format): the same kernels, their pointers advancing by
+# each mask's popcount, and the tiles over rows decompressed from row offsets
+
+BITMASK_SHAPES = [(1, 1), (5, 12), (7, 37), (16, 64), (33, 100), (17, 4100), (9, 2049)]
+
+
+def integer_sparse(rows: int, columns: int, sparsity: float, dtype, generator) -> torch.Tensor:
+    weight = torch.randint(-3, 4, (rows, columns), generator=generator).float()
+    weight[torch.rand(rows, columns, generator=generator) < sparsity] = 0
+    return weight.to(dtype)
+
+
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("tiled", [False, True])
+def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, tiled):
+    """Every sparsity from none to all, inputs that are not a multiple of 8, 16 or 32, 1 to
+    17 tokens: the float64 reference rounded once (the tiles in bfloat16 where the 2:4 op's
+    are), bit for bit; and the op's own decompression is the format's."""
+    generator = torch.Generator().manual_seed(3)
+    for rows, columns in BITMASK_SHAPES:
+        for sparsity in (0.0, 0.5, 0.65, 1.0):
+            weight = integer_sparse(rows, columns, sparsity, weight_dtype, generator)
+            values, bitmask, row_offsets = compress_bitmask(weight)
+            assert torch.equal(bitmask_decompress_cpu(values, bitmask, row_offsets, columns),
+                               weight)  # fmt: skip
+            for tokens in (1, 2, 3, 5, 17):
+                x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
+                bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
+                bf16_tiles = tiled and weight_dtype == torch.bfloat16 and isa == "avx512_bf16"
+                exact_in = torch.bfloat16 if bf16_tiles else x_dtype
+                exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
+                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, bias, columns,
+                                         0 if tiled else NO_TILES)  # fmt: skip
+                assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns, tokens)
+
+
+def test_bitmask_op_follows_the_reference_on_real_values(isa):
+    generator = torch.Generator().manual_seed(4)
+    for sparsity in (0.5, 0.65):
+        weight = torch.randn(96, 1000, generator=generator)
+        weight[torch.rand(96, 1000, generator=generator) < sparsity] = 0
+        weight = weight.to(torch.bfloat16)
+        values, bitmask, row_offsets = compress_bitmask(weight)
+        for tokens in (1, 7, 300):
+            x = torch.randn(tokens, 1000, generator=generator).to(torch.bfloat16)
+            reference = F.linear(x.double(), weight.double())
+            scale = x.double().abs() @ weight.double().abs().t() + 1
+            for tiled_from in (NO_TILES, 64):
+                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000, tiled_from)
+                error = (got.double() - reference).abs()
+                assert (error <= 1e-5 * scale + 2.0**-8 * reference.abs()).all(), tokens
+
+
+def test_bitmask_op_refuses_bad_tensors():
+    weight = integer_sparse(8, 64, 0.5, torch.float32, torch.Generator().manual_seed(5))
+    values, bitmask, row_offsets = compress_bitmask(weight)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="row_offsets must be a contiguous"):
+        bitmask_cpu_linear(x, values, bitmask, row_offsets.int(), None, 64)
+    with pytest.raises(RuntimeError, match="values must be a contiguous 1-D"):
+        bitmask_cpu_linear(x, values.reshape(1, -1), bitmask, row_offsets, None, 64)
+    with pytest.raises(RuntimeError, match=r"x must be a CPU tensor \[\.\.\., 64\]"):
+        bitmask_cpu_linear(torch.randn(2, 60), values, bitmask, row_offsets, None, 64)

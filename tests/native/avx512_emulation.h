@@ -362,3 +362,10 @@ inline __m512i _mm512_castps_si512(__m512 a) {
   std::memcpy(r.u8, a.f, 64);
   return r;
 }
+
+inline __m256i _mm256_maskz_loadu_epi16(__mmask16 k, const void* p) {
+  __m256i r{};
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy(&r.u16[i], static_cast<const uint16_t*>(p) + i, 2);
+  return r;
+}

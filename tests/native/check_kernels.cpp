@@ -175,6 +175,84 @@ void check_gemm(const Layer& layer, std::mt19937& draw) {
   }
 }
 
+// Unstructured layers (RowsArgs::row_offsets): the AVX-512 row kernels and the dense rows,
+// any number kept per group, inputs not a multiple of 16 or 32.
+void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt19937& draw) {
+  const int64_t bytes = (columns + 7) / 8;
+  std::vector<float> dense(rows * columns, 0.0f), kept;
+  std::vector<uint16_t> kept_bf16;
+  std::vector<uint8_t> bitmask(rows * bytes, 0);
+  std::vector<int64_t> offsets(rows);
+  std::uniform_int_distribution<int> value(-3, 3);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (int64_t n = 0; n < rows; ++n) {
+    offsets[n] = int64_t(kept.size());
+    for (int64_t k = 0; k < columns; ++k) {
+      if (uniform(draw) < sparsity) continue;
+      dense[n * columns + k] = float(value(draw));  // a kept zero is marked too
+      bitmask[n * bytes + k / 8] |= uint8_t(1u << (k % 8));
+      kept.push_back(dense[n * columns + k]);
+      kept_bf16.push_back(to_bf16(dense[n * columns + k]));
+    }
+  }
+  const int64_t count = int64_t(kept.size());
+  for (WeightType type : {WeightType::f32, WeightType::bf16}) {
+    const void* values = type == WeightType::f32 ? static_cast<const void*>(kept.data())
+                                                 : static_cast<const void*>(kept_bf16.data());
+    std::vector<uint8_t> out(rows * columns * 4 + 64, 0xAB);
+    DecompressArgs dense_args{values, type, bitmask.data(), out.data(), columns, 0, rows};
+    dense_args.row_offsets = offsets.data();
+    decompress_avx512(dense_args);
+    bool same = true;
+    for (int64_t i = 0; i < rows * columns; ++i) {
+      float got;
+      if (type == WeightType::f32) {
+        std::memcpy(&got, out.data() + 4 * i, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, out.data() + 2 * i, 2);
+        uint32_t wide = uint32_t(bits) << 16;
+        std::memcpy(&got, &wide, 4);
+      }
+      same &= got == dense[i];
+    }
+    expect(same, "decompress_avx512 unstructured", rows, columns, 0);
+  }
+  for (int64_t tokens : {int64_t(1), int64_t(2), int64_t(5)}) {
+    std::vector<float> x(tokens * columns), expected(tokens * rows, 0.0f);
+    std::vector<uint16_t> x_bf16(tokens * columns);
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = float(value(draw));
+      x_bf16[i] = to_bf16(x[i]);
+    }
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t n = 0; n < rows; ++n)
+        for (int64_t k = 0; k < columns; ++k)
+          expected[t * rows + n] += x[t * columns + k] * dense[n * columns + k];
+    std::vector<float> y32(tokens * rows), y16(tokens * rows), ydot(tokens * rows);
+    RowsArgs f32{x.data(), columns, kept.data(), WeightType::f32, bitmask.data(), y32.data(),
+                 rows, tokens, columns, 0, rows};
+    RowsArgs bf16 = f32, dot = f32;
+    bf16.compressed = kept_bf16.data();
+    bf16.type = WeightType::bf16;
+    bf16.y = y16.data();
+    dot.x = x_bf16.data();
+    dot.compressed = kept_bf16.data();
+    dot.type = WeightType::bf16;
+    dot.y = ydot.data();
+    for (RowsArgs* args : {&f32, &bf16, &dot}) {
+      args->row_offsets = offsets.data();
+      args->values_count = count;
+    }
+    rows_avx512(f32);
+    rows_avx512(bf16);
+    rows_avx512_bf16(dot);
+    expect(y32 == expected, "rows_avx512 f32 unstructured", rows, columns, tokens);
+    expect(y16 == expected, "rows_avx512 bf16 unstructured", rows, columns, tokens);
+    expect(ydot == expected, "rows_avx512_bf16 unstructured", rows, columns, tokens);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -187,6 +265,12 @@ int main() {
     check_gemm(layer, draw);
   }
   check_gemm(random_layer(100, 8200, draw), draw);  // a second block of rows and of groups
+  for (double sparsity : {0.0, 0.5, 0.65, 1.0}) {
+    check_unstructured(1, 1, sparsity, draw);
+    check_unstructured(9, 37, sparsity, draw);
+    check_unstructured(13, 100, sparsity, draw);
+    check_unstructured(5, 1031, sparsity, draw);
+  }
   std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
   return failures ? 1 : 0;
 }

@@ -39,8 +39,9 @@ __all__ = [
 
 CPU_OP_NAMESPACE = "whisper_sparse24_cpu"
 SOURCE_DIR = Path(__file__).with_name("cpu_kernels")
-KERNEL_SOURCES = ("sparse24_avx2.cpp", "sparse24_avx512.cpp", "sparse24_avx512_bf16.cpp",
-                  "sparse24_avx512_bf16_gemm.cpp", "sparse24_op.cpp")  # fmt: skip
+KERNEL_SOURCES = ("sparse24_avx2.cpp", "bitmask_avx2.cpp", "sparse24_avx512.cpp",
+                  "sparse24_avx512_bf16.cpp", "sparse24_avx512_bf16_gemm.cpp",
+                  "sparse24_op.cpp")  # fmt: skip
 HEADERS = ("sparse24.h",)
 LIBRARY = f"lib{CPU_OP_NAMESPACE}.so"
 BUILD_TIMEOUT = 600  # seconds for one source file

@@ -39,6 +39,8 @@ __all__ = [
     "CPU_KERNEL_DTYPES",
     "cpu_isa",
     "cpu_kernels_unavailable",
+    "bitmask_cpu_linear",
+    "bitmask_decompress_cpu",
     "decompress_cpu",
     "gemm_runs",
     "reference_linear",
@@ -87,6 +89,14 @@ def _register_fake() -> None:
     def _(compressed, bitmask, in_features):
         return compressed.new_empty(compressed.shape[0], in_features)
 
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_linear")
+    def _(x, values, bitmask, row_offsets, bias, in_features, tiled_from):
+        return x.new_empty(*x.shape[:-1], bitmask.shape[0])
+
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_decompress")
+    def _(values, bitmask, row_offsets, in_features):
+        return values.new_empty(bitmask.shape[0], in_features)
+
 
 def cpu_isa() -> str | None:
     """The kernels the op runs here (``CPU_ISAS``), None where it is unavailable."""
@@ -119,6 +129,21 @@ def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torc
     row kernels below ``gemm_from`` tokens, the 2:4 GEMM from it (where it runs:
     ``gemm_runs``), the tiles from ``tiled_from``."""
     return _linear()(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from)
+
+
+def bitmask_cpu_linear(x: torch.Tensor, values: torch.Tensor, bitmask: torch.Tensor,
+                       row_offsets: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+                       tiled_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
+    """``x Wᵀ + bias`` for the unstructured ``W`` stored as ``values`` / ``bitmask`` /
+    ``row_offsets`` (``bitmask_format``): the row kernels below ``tiled_from`` tokens, the
+    tiles from it."""
+    return _ops().bitmask_linear(x, values, bitmask, row_offsets, bias, in_features, tiled_from)
+
+
+def bitmask_decompress_cpu(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor,
+                           in_features: int) -> torch.Tensor:  # fmt: skip
+    """The dense unstructured ``W`` by the op's kernels (what its tiles hold)."""
+    return _ops().bitmask_decompress(values, bitmask, row_offsets, in_features)
 
 
 def decompress_cpu(compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int):

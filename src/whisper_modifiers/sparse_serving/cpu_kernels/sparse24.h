@@ -38,6 +38,10 @@ struct RowsArgs {
   int64_t n_end;
   const float* bias = nullptr;
   uint16_t* y_bf16 = nullptr;
+  // An unstructured layer (bitmask_format): compressed holds each row's kept values from
+  // row_offsets[n] on, as many per group of inputs as its mask bits; values_count in all.
+  const int64_t* row_offsets = nullptr;
+  int64_t values_count = 0;
 };
 
 // float32 to bfloat16, to nearest even, a NaN to 0x7FC0: as torch rounds (c10::BFloat16).
@@ -58,7 +62,8 @@ inline void store_sum(const RowsArgs& a, int64_t index, int64_t row, float sum) 
   }
 }
 
-// Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride K).
+// Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride K); an
+// unstructured layer's rows start at row_offsets[n] (as in RowsArgs).
 struct DecompressArgs {
   const void* compressed;
   WeightType type;
@@ -67,6 +72,7 @@ struct DecompressArgs {
   int64_t K;
   int64_t n_begin;
   int64_t n_end;
+  const int64_t* row_offsets = nullptr;
 };
 
 // sparse24_avx2.cpp: AVX2 + FMA; x float32; a table indexed by each byte of the bitmask (two
@@ -74,7 +80,13 @@ struct DecompressArgs {
 void rows_avx2(const RowsArgs& args);
 void decompress_avx2(const DecompressArgs& args);
 
-// sparse24_avx512.cpp: AVX-512 F/BW/VL/VBMI2; x float32; masked expand-loads place the kept values.
+// bitmask_avx2.cpp: unstructured rows (RowsArgs::row_offsets) on AVX2 + FMA; x float32; a
+// table of ranks per bitmask byte places up to eight kept values; and their dense rows.
+void rows_bitmask_avx2(const RowsArgs& args);
+void decompress_bitmask_avx2(const DecompressArgs& args);
+
+// sparse24_avx512.cpp: AVX-512 F/BW/VL/VBMI2; x float32; masked expand-loads place the kept values
+// (2:4 and unstructured rows; the dense rows of both).
 void rows_avx512(const RowsArgs& args);
 void decompress_avx512(const DecompressArgs& args);
 

@@ -10,7 +10,7 @@
 #define WS_TARGET
 #else
 #include <immintrin.h>
-#define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2")))
+#define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
 #endif
 
 namespace whisper_sparse24 {
@@ -24,8 +24,9 @@ WS_TARGET inline uint32_t mask_bits(const uint8_t* row, int64_t k, int64_t bits)
 }
 
 // Sixteen dense weights, as float32, from the `count` kept values at ``values`` (element
-// ``offset`` on) and the sixteen bits of the bitmask that cover them (count <= 8; 8 for a whole
-// group of sixteen inputs, loaded without a mask). The values are loaded plainly and expanded
+// ``offset`` on) and the sixteen bits of the bitmask that cover them (count <= 16, an
+// unstructured row's popcount; 8 for a whole group of sixteen inputs of a 2:4 row, loaded
+// without a mask). The values are loaded plainly and expanded
 // in registers: the expand-load from memory was slower on a Zen 5 EPYC (sparse24_avx512_bf16).
 template <WeightType W, bool Whole = true>
 WS_TARGET inline __m512 expand16(const void* values, int64_t offset, __mmask16 mask,
@@ -40,7 +41,7 @@ WS_TARGET inline __m512 expand16(const void* values, int64_t offset, __mmask16 m
     const uint16_t* source = static_cast<const uint16_t*>(values) + offset;
     const __m256i kept =
         Whole ? _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)))
-              : _mm256_castsi128_si256(_mm_maskz_loadu_epi16(__mmask8(loaded), source));
+              : _mm256_maskz_loadu_epi16(loaded, source);
     const __m256i bits = _mm256_maskz_expand_epi16(mask, kept);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
@@ -59,15 +60,22 @@ constexpr int64_t kPrefetchEvery = W == WeightType::f32 ? 31 : 63;
 // y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
 // values and bitmask are walked
 // by a pointer of its own.
-template <int R, int T, WeightType W>
+// (U: an unstructured row, whose values start at row_offsets[n + r], as many per sixteen
+// inputs as their mask bits.)
+template <int R, int T, WeightType W, bool U>
 WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
   const int64_t whole = a.K & ~int64_t(15);
   const char* values[R];
+  int64_t next_group[R];  // bytes from this row's values to the next group's row's
   const uint8_t* masks[R];
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r) {
-    values[r] = static_cast<const char*>(a.compressed) + (n + r) * half_k * kValueBytes<W>;
+    const int64_t start = U ? a.row_offsets[n + r] : (n + r) * half_k;
+    values[r] = static_cast<const char*>(a.compressed) + start * kValueBytes<W>;
+    const int64_t next = !U ? start + R * half_k
+                            : n + r + R < a.n_end ? a.row_offsets[n + r + R] : start;
+    next_group[r] = (next - start) * kValueBytes<W>;
     masks[r] = a.bitmask + (n + r) * mask_bytes;
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   }
@@ -77,7 +85,7 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t 
     if ((k & kPrefetchEvery<W>) == 0) {  // once per cache line of kept values, per row
       for (int r = 0; r < R; ++r) {
         __builtin_prefetch(values[r] + kPrefetchAhead, 0, 3);
-        __builtin_prefetch(values[r] + R * half_k * kValueBytes<W>, 0, 3);  // the next group
+        __builtin_prefetch(values[r] + next_group[r], 0, 3);  // the next group
         if ((k & 511) == 0) {
           __builtin_prefetch(masks[r] + 64, 0, 3);
           __builtin_prefetch(masks[r] + R * mask_bytes, 0, 3);
@@ -87,8 +95,10 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t 
     for (int r = 0; r < R; ++r) {
       uint16_t mask;
       std::memcpy(&mask, masks[r], sizeof(mask));
-      const __m512 w = expand16<W>(values[r], 0, mask);
-      values[r] += 8 * kValueBytes<W>;
+      const int64_t count = U ? __builtin_popcount(mask) : 8;
+      const __m512 w = U ? expand16<W, false>(values[r], 0, mask, count)
+                         : expand16<W>(values[r], 0, mask);
+      values[r] += count * kValueBytes<W>;
       masks[r] += 2;
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(w, xv[t], acc[r][t]);
     }
@@ -100,7 +110,8 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t 
     for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_ps(inputs, x + t * ldx + whole);
     for (int r = 0; r < R; ++r) {
       const __mmask16 mask = __mmask16(mask_bits(masks[r], 0, rest));
-      const __m512 w = expand16<W, false>(values[r], 0, mask, rest / 2);
+      const int64_t count = U ? __builtin_popcount(mask) : rest / 2;
+      const __m512 w = expand16<W, false>(values[r], 0, mask, count);
       for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(w, xv[t], acc[r][t]);
     }
   }
@@ -111,53 +122,59 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t 
 
 // Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
 // in cache, so the weights are read from memory once.
-template <int G, WeightType W>
+template <int G, WeightType W, bool U>
 WS_TARGET void rows_all_tokens(const RowsArgs& a, const float* x, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, W>(a, x + m * a.ldx, m, n);
+  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, W, U>(a, x + m * a.ldx, m, n);
   switch (a.M - m) {
-    case 3: rows_block<G, 3, W>(a, x + m * a.ldx, m, n); break;
-    case 2: rows_block<G, 2, W>(a, x + m * a.ldx, m, n); break;
-    case 1: rows_block<G, 1, W>(a, x + m * a.ldx, m, n); break;
+    case 3: rows_block<G, 3, W, U>(a, x + m * a.ldx, m, n); break;
+    case 2: rows_block<G, 2, W, U>(a, x + m * a.ldx, m, n); break;
+    case 1: rows_block<G, 1, W, U>(a, x + m * a.ldx, m, n); break;
     default: break;
   }
 }
 
-template <WeightType W>
+template <WeightType W, bool U>
 WS_TARGET void rows_typed(const RowsArgs& a) {
   const float* x = static_cast<const float*>(a.x);
   int64_t n = a.n_begin;
-  for (; n + 4 <= a.n_end; n += 4) rows_all_tokens<4, W>(a, x, n);
-  for (; n < a.n_end; ++n) rows_all_tokens<1, W>(a, x, n);
+  for (; n + 4 <= a.n_end; n += 4) rows_all_tokens<4, W, U>(a, x, n);
+  for (; n < a.n_end; ++n) rows_all_tokens<1, W, U>(a, x, n);
 }
 
+// Dense rows, each walked by a cursor over its kept values that advances by the mask's
+// popcount: 2:4 rows (half of every group marked) and unstructured ones (row_offsets) alike.
 template <WeightType W>
 WS_TARGET void decompress_typed(const DecompressArgs& a) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8;
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* mask = a.bitmask + n * mask_bytes;
     const int64_t row = (n - a.n_begin) * a.K;
+    const int64_t start = a.row_offsets != nullptr ? a.row_offsets[n] : n * half_k;
     if constexpr (W == WeightType::f32) {
-      const float* values = static_cast<const float*>(a.compressed) + n * half_k;
+      const float* values = static_cast<const float*>(a.compressed) + start;
       float* out = static_cast<float*>(a.out) + row;
       for (int64_t k = 0; k < a.K; k += 16) {
         const int64_t count = a.K - k < 16 ? a.K - k : 16;
         const __mmask16 inputs = __mmask16(count == 16 ? 0xFFFF : (1u << count) - 1);
         const __mmask16 kept = __mmask16(mask_bits(mask, k, count));
-        const __m512 values_in =
-            _mm512_maskz_loadu_ps(__mmask16((1u << (count / 2)) - 1), values + k / 2);
+        const int marked = __builtin_popcount(kept);
+        const __m512 values_in = _mm512_maskz_loadu_ps(__mmask16((1u << marked) - 1), values);
         _mm512_mask_storeu_ps(out + k, inputs, _mm512_maskz_expand_ps(kept, values_in));
+        values += marked;
       }
     } else {
-      const uint16_t* values = static_cast<const uint16_t*>(a.compressed) + n * half_k;
+      const uint16_t* values = static_cast<const uint16_t*>(a.compressed) + start;
       uint16_t* out = static_cast<uint16_t*>(a.out) + row;
       for (int64_t k = 0; k < a.K; k += 32) {
         const int64_t count = a.K - k < 32 ? a.K - k : 32;
         const __mmask32 inputs = count == 32 ? 0xFFFFFFFFu : (1u << count) - 1;
         const __mmask32 kept = mask_bits(mask, k, count);
-        const __m512i values_in =
-            _mm512_maskz_loadu_epi16((uint32_t(1) << (count / 2)) - 1, values + k / 2);
+        const int marked = __builtin_popcount(kept);
+        const __m512i values_in = _mm512_maskz_loadu_epi16(
+            marked == 32 ? 0xFFFFFFFFu : (uint32_t(1) << marked) - 1, values);
         _mm512_mask_storeu_epi16(out + k, inputs, _mm512_maskz_expand_epi16(kept, values_in));
+        values += marked;
       }
     }
   }
@@ -166,10 +183,13 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
 }  // namespace
 
 void rows_avx512(const RowsArgs& args) {
+  const bool unstructured = args.row_offsets != nullptr;
   if (args.type == WeightType::f32) {
-    rows_typed<WeightType::f32>(args);
+    unstructured ? rows_typed<WeightType::f32, true>(args)
+                 : rows_typed<WeightType::f32, false>(args);
   } else {
-    rows_typed<WeightType::bf16>(args);
+    unstructured ? rows_typed<WeightType::bf16, true>(args)
+                 : rows_typed<WeightType::bf16, false>(args);
   }
 }
 

@@ -1,6 +1,8 @@
-// 2:4 rows on AVX-512 with VBMI2 and BF16, bfloat16 activations and weights (sparse24.h):
-// 32 bits of the bitmask are the mask of one vpexpandw, which places the sixteen kept values of
-// 32 inputs in their lanes; vdpbf16ps then adds the 32 products into sixteen float32 lanes.
+// 2:4 and unstructured rows on AVX-512 with VBMI2 and BF16, bfloat16 activations and weights
+// (sparse24.h): 32 bits of the bitmask are the mask of one vpexpandw, which places the kept
+// values of 32 inputs in their lanes (16 in a 2:4 row; as many as the mask's popcount in an
+// unstructured one, whose pointer then advances by that count); vdpbf16ps then adds the 32
+// products into sixteen float32 lanes.
 // The kept values are loaded plainly and expanded in registers: vpexpandw from memory was
 // 1.35x slower at one token on a Zen 5 EPYC (27 against 37 GB/s of compressed weights).
 #include <cstring>
@@ -12,7 +14,8 @@
 #define WS_TARGET
 #else
 #include <immintrin.h>
-#define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16")))
+#define WS_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,popcnt")))
 #endif
 
 namespace whisper_sparse24 {
@@ -23,28 +26,35 @@ namespace {
 // on their way from memory.
 constexpr int64_t kPrefetchAhead = 1024;
 
-// The 32 inputs whose `mask` bits mark the `count` kept values at `values` (count <= 16; 16
-// for a whole group of 32 inputs, loaded without a mask).
+// The 32 inputs whose `mask` bits mark the `count` kept values at `values` (count <= 32; 16
+// for a whole group of 32 inputs of a 2:4 row, loaded without a mask; never a value past them).
 template <bool Whole>
 WS_TARGET inline __m512i expand32(uint32_t mask, const uint16_t* values, int64_t count = 16) {
   const __m512i kept =
       Whole ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)))
-            : _mm512_maskz_loadu_epi16((uint32_t(1) << count) - 1, values);
+            : _mm512_maskz_loadu_epi16(count >= 32 ? ~uint32_t(0) : (uint32_t(1) << count) - 1,
+                                       values);
   return _mm512_maskz_expand_epi16(mask, kept);
 }
 
 // y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
 // values and bitmask are walked
 // by a pointer of its own.
-template <int R, int T>
+// (U: an unstructured row, whose values start at row_offsets[n + r]; the next group's rows are
+// prefetched at the same distance into them.)
+template <int R, int T, bool U>
 WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
   const int64_t whole = a.K & ~int64_t(31);
+  const uint16_t* base = static_cast<const uint16_t*>(a.compressed);
   const uint16_t* values[R];
+  int64_t next_group[R];  // how far the next group's row starts past this row's start
   const uint8_t* masks[R];
   __m512 acc[R][T];
   for (int r = 0; r < R; ++r) {
-    values[r] = static_cast<const uint16_t*>(a.compressed) + (n + r) * half_k;
+    const int64_t start = U ? a.row_offsets[n + r] : (n + r) * half_k;
+    values[r] = base + start;
+    next_group[r] = !U ? R * half_k : n + r + R < a.n_end ? a.row_offsets[n + r + R] - start : 0;
     masks[r] = a.bitmask + (n + r) * mask_bytes;
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   }
@@ -54,7 +64,7 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
     if ((k & 63) == 0) {  // once per cache line (64 inputs) of kept values, per row
       for (int r = 0; r < R; ++r) {
         __builtin_prefetch(values[r] + kPrefetchAhead / 2, 0, 3);
-        __builtin_prefetch(values[r] + R * half_k, 0, 3);
+        __builtin_prefetch(values[r] + next_group[r], 0, 3);
         if ((k & 511) == 0) {
           __builtin_prefetch(masks[r] + 64, 0, 3);
           __builtin_prefetch(masks[r] + R * mask_bytes, 0, 3);
@@ -64,22 +74,25 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
     for (int r = 0; r < R; ++r) {
       uint32_t mask;
       std::memcpy(&mask, masks[r], sizeof(mask));
-      const __m512i w = expand32<true>(mask, values[r]);
-      values[r] += 16;
+      const int64_t count = U ? __builtin_popcount(mask) : 16;
+      const __m512i w =
+          U ? expand32<false>(mask, values[r], count) : expand32<true>(mask, values[r]);
+      values[r] += count;
       masks[r] += 4;
       for (int t = 0; t < T; ++t)
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w, (__m512bh)xv[t]);
     }
   }
   if (whole < a.K) {
-    const int64_t rest = a.K - whole;  // 4 .. 28 inputs
+    const int64_t rest = a.K - whole;  // 4 .. 28 inputs (2:4), 1 .. 31 (unstructured)
     const __mmask32 inputs = (uint32_t(1) << rest) - 1;
     __m512i xv[T];
     for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_epi16(inputs, x + t * ldx + whole);
     for (int r = 0; r < R; ++r) {
       uint32_t mask = 0;
       std::memcpy(&mask, masks[r], (rest + 7) / 8);
-      const __m512i w = expand32<false>(mask & inputs, values[r], rest / 2);
+      mask &= inputs;
+      const __m512i w = expand32<false>(mask, values[r], U ? __builtin_popcount(mask) : rest / 2);
       for (int t = 0; t < T; ++t)
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w, (__m512bh)xv[t]);
     }
@@ -91,24 +104,34 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
 
 // Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
 // in cache, so the weights are read from memory once.
-template <int G>
+template <int G, bool U>
 WS_TARGET void rows_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) rows_block<G, 4>(a, x + m * a.ldx, m, n);
+  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, U>(a, x + m * a.ldx, m, n);
   switch (a.M - m) {
-    case 3: rows_block<G, 3>(a, x + m * a.ldx, m, n); break;
-    case 2: rows_block<G, 2>(a, x + m * a.ldx, m, n); break;
-    case 1: rows_block<G, 1>(a, x + m * a.ldx, m, n); break;
+    case 3: rows_block<G, 3, U>(a, x + m * a.ldx, m, n); break;
+    case 2: rows_block<G, 2, U>(a, x + m * a.ldx, m, n); break;
+    case 1: rows_block<G, 1, U>(a, x + m * a.ldx, m, n); break;
     default: break;
   }
 }
 
 // Rows [n_begin, n_end) for a batch of exactly T tokens, R rows side by side (then one by one).
-template <int R, int T>
+template <int R, int T, bool U>
 WS_TARGET void rows_side_by_side(const RowsArgs& a, const uint16_t* x) {
   int64_t n = a.n_begin;
-  for (; n + R <= a.n_end; n += R) rows_block<R, T>(a, x, 0, n);
-  for (; n < a.n_end; ++n) rows_block<1, T>(a, x, 0, n);
+  for (; n + R <= a.n_end; n += R) rows_block<R, T, U>(a, x, 0, n);
+  for (; n < a.n_end; ++n) rows_block<1, T, U>(a, x, 0, n);
+}
+
+template <bool U>
+WS_TARGET void rows_for_tokens(const RowsArgs& a) {
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  if (a.M == 1) return rows_side_by_side<8, 1, U>(a, x);
+  if (a.M == 2) return rows_side_by_side<6, 2, U>(a, x);
+  int64_t n = a.n_begin;
+  for (; n + 4 <= a.n_end; n += 4) rows_all_tokens<4, U>(a, x, n);
+  for (; n < a.n_end; ++n) rows_all_tokens<1, U>(a, x, n);
 }
 
 }  // namespace
@@ -118,12 +141,11 @@ WS_TARGET void rows_side_by_side(const RowsArgs& a, const uint16_t* x) {
 // 4 rows side by side read 43-45 GB/s of compressed weights, 8 rows 62-86 GB/s; at two tokens
 // 4 rows 42 GB/s, 6 rows 64-73 GB/s.
 void rows_avx512_bf16(const RowsArgs& args) {
-  const uint16_t* x = static_cast<const uint16_t*>(args.x);
-  if (args.M == 1) return rows_side_by_side<8, 1>(args, x);
-  if (args.M == 2) return rows_side_by_side<6, 2>(args, x);
-  int64_t n = args.n_begin;
-  for (; n + 4 <= args.n_end; n += 4) rows_all_tokens<4>(args, x, n);
-  for (; n < args.n_end; ++n) rows_all_tokens<1>(args, x, n);
+  if (args.row_offsets != nullptr) {
+    rows_for_tokens<true>(args);
+  } else {
+    rows_for_tokens<false>(args);
+  }
 }
 
 }  // namespace whisper_sparse24

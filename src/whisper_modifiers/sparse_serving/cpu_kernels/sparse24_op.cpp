@@ -12,7 +12,12 @@
 //         ATen's dense GEMM (oneDNN; AMX where the CPU has it), in bfloat16 where the kernels
 //         are avx512_bf16, else in float32 (tile_dtype).
 //       The dense weight is never held whole.
-//   whisper_sparse24_cpu::decompress(compressed, bitmask, in_features): the dense W (tests).
+//   whisper_sparse24_cpu::bitmask_linear(x, values, bitmask, row_offsets, bias, in_features,
+//                                        tiled_from)
+//       the same for an unstructured W (bitmask_format's layout): the row kernels (their
+//       pointers advancing by each mask's popcount) below tiled_from, the tiles from it.
+//   whisper_sparse24_cpu::decompress(compressed, bitmask, in_features), and
+//   bitmask_decompress(values, bitmask, row_offsets, in_features): the dense W (tests).
 //   whisper_sparse24_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
 //       "avx512", "avx2" or "none"), and a cap below them ("auto" undoes it).
 #include <ATen/ATen.h>
@@ -84,11 +89,31 @@ void check_layer(const at::Tensor& compressed, const at::Tensor& bitmask, int64_
   weight_type(compressed);
 }
 
-void decompress_rows(const at::Tensor& compressed, const at::Tensor& bitmask, int64_t in_features,
-                     int64_t begin, int64_t end, at::Tensor& out) {
+void check_bitmask_layer(const at::Tensor& values, const at::Tensor& bitmask,
+                         const at::Tensor& row_offsets, int64_t in_features) {
+  TORCH_CHECK(active_isa() != kNone, "no sparse CPU kernel runs on this CPU");
+  TORCH_CHECK(in_features > 0, "in_features must be positive, got ", in_features);
+  TORCH_CHECK(values.device().is_cpu() && bitmask.device().is_cpu() &&
+                  row_offsets.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous(), "values must be a contiguous 1-D "
+              "tensor");
+  TORCH_CHECK(bitmask.scalar_type() == at::kByte && bitmask.dim() == 2 &&
+                  bitmask.size(1) == (in_features + 7) / 8 && bitmask.is_contiguous(),
+              "bitmask must be a contiguous [out, ceil(in / 8)] uint8 tensor");
+  TORCH_CHECK(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 &&
+                  row_offsets.size(0) == bitmask.size(0) && row_offsets.is_contiguous(),
+              "row_offsets must be a contiguous [out] int64 tensor");
+  weight_type(values);
+}
+
+void decompress_rows(const at::Tensor& compressed, const at::Tensor& bitmask,
+                     const int64_t* offsets, int64_t in_features, int64_t begin, int64_t end,
+                     at::Tensor& out) {
   DecompressArgs args{compressed.data_ptr(), weight_type(compressed), bitmask.data_ptr<uint8_t>(),
-                      out.data_ptr(), in_features, 0, 0};
-  const auto kernel = active_isa() >= kAvx512 ? decompress_avx512 : decompress_avx2;
+                      out.data_ptr(), in_features, 0, 0, offsets};
+  const auto kernel = active_isa() >= kAvx512 ? decompress_avx512
+                      : offsets != nullptr    ? decompress_bitmask_avx2
+                                              : decompress_avx2;
   at::parallel_for(begin, end, 16, [&](int64_t first, int64_t last) {
     DecompressArgs part = args;
     part.n_begin = first;
@@ -103,7 +128,16 @@ at::Tensor decompress(const at::Tensor& compressed, const at::Tensor& bitmask,
                       int64_t in_features) {
   check_layer(compressed, bitmask, in_features);
   at::Tensor out = at::empty({compressed.size(0), in_features}, compressed.options());
-  decompress_rows(compressed, bitmask, in_features, 0, compressed.size(0), out);
+  decompress_rows(compressed, bitmask, nullptr, in_features, 0, compressed.size(0), out);
+  return out;
+}
+
+at::Tensor bitmask_decompress(const at::Tensor& values, const at::Tensor& bitmask,
+                              const at::Tensor& row_offsets, int64_t in_features) {
+  check_bitmask_layer(values, bitmask, row_offsets, in_features);
+  at::Tensor out = at::empty({bitmask.size(0), in_features}, values.options());
+  decompress_rows(values, bitmask, row_offsets.data_ptr<int64_t>(), in_features, 0,
+                  bitmask.size(0), out);
   return out;
 }
 
@@ -124,9 +158,9 @@ at::ScalarType tile_dtype(at::ScalarType weight) {
 // x2 W^T + bias in tile_dtype, W expanded tile by tile into one reused buffer; ATen's
 // linear adds each tile's bias before its result is rounded.
 at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                        const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
-                        int64_t in_features) {
-  const int64_t rows = compressed.size(0);
+                        const at::Tensor& bitmask, const int64_t* offsets,
+                        const c10::optional<at::Tensor>& bias, int64_t in_features) {
+  const int64_t rows = bitmask.size(0);
   const auto dtype = tile_dtype(compressed.scalar_type());
   const at::Tensor x_w = x2.scalar_type() == dtype ? x2 : x2.to(dtype);
   const c10::optional<at::Tensor> bias_w =
@@ -138,7 +172,7 @@ at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
   for (int64_t begin = 0; begin < rows; begin += step) {
     const int64_t count = std::min(step, rows - begin);
     at::Tensor part = tile.narrow(0, 0, count);
-    decompress_rows(compressed, bitmask, in_features, begin, begin + count, part);
+    decompress_rows(compressed, bitmask, offsets, in_features, begin, begin + count, part);
     const c10::optional<at::Tensor> part_bias =
         bias_w.has_value() ? c10::optional<at::Tensor>(bias_w->narrow(0, begin, count))
                            : c10::nullopt;
@@ -151,24 +185,29 @@ at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
 // The row kernels over x2 [M, K]: float32 sums plus the bias (float32), stored once in x's
 // dtype (bfloat16 rounded by the kernels as they store, so no float32 copy of y is made).
 at::Tensor row_kernel_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                             const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
-                             int64_t in_features) {
+                             const at::Tensor& bitmask, const int64_t* offsets,
+                             const c10::optional<at::Tensor>& bias, int64_t in_features) {
+  const int64_t rows = bitmask.size(0);
   const int level = active_isa();
   const WeightType type = weight_type(compressed);
   const bool bf16_x = x2.scalar_type() == at::kBFloat16;
   const bool bf16_dot = level == kAvx512Bf16 && type == WeightType::bf16 && bf16_x;
   const at::Tensor x = bf16_dot ? x2 : x2.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({x.size(0), compressed.size(0)}, x2.options());
+  at::Tensor y = at::empty({x.size(0), rows}, x2.options());
   const at::Tensor bias32 = bias.has_value() && bias->defined()
                                 ? bias->to(at::kFloat).contiguous()
                                 : at::Tensor();
   RowsArgs args{x.data_ptr(), in_features, compressed.data_ptr(), type,
                 bitmask.data_ptr<uint8_t>(), bf16_x ? nullptr : y.data_ptr<float>(),
-                compressed.size(0), x.size(0), in_features, 0, 0,
+                rows, x.size(0), in_features, 0, 0,
                 bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-                bf16_x ? static_cast<uint16_t*>(y.data_ptr()) : nullptr};
-  const auto kernel = bf16_dot ? rows_avx512_bf16 : level >= kAvx512 ? rows_avx512 : rows_avx2;
-  at::parallel_for(0, compressed.size(0), 16, [&](int64_t first, int64_t last) {
+                bf16_x ? static_cast<uint16_t*>(y.data_ptr()) : nullptr, offsets,
+                compressed.numel()};
+  const auto kernel = bf16_dot             ? rows_avx512_bf16
+                      : level >= kAvx512   ? rows_avx512
+                      : offsets != nullptr ? rows_bitmask_avx2
+                                           : rows_avx2;
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
     RowsArgs part = args;
     part.n_begin = first;
     part.n_end = last;
@@ -205,26 +244,49 @@ at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
   return y;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
-                  const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t gemm_from,
-                  int64_t tiled_from) {
-  check_layer(compressed, bitmask, in_features);
+// x as [M, in_features], after checking it.
+at::Tensor rows_of(const at::Tensor& x, int64_t in_features) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == in_features,
               "x must be a CPU tensor [..., ", in_features, "]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16, got ", x.scalar_type());
-  const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
+  return x.reshape({-1, in_features}).contiguous();
+}
+
+// y [M, rows] in x's dtype, shaped as x with its last size rows.
+at::Tensor shaped_as(const at::Tensor& y, const at::Tensor& x, int64_t rows) {
+  auto shape = x.sizes().vec();
+  shape.back() = rows;
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
+                  const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t gemm_from,
+                  int64_t tiled_from) {
+  check_layer(compressed, bitmask, in_features);
+  const at::Tensor x2 = rows_of(x, in_features);
   at::Tensor y;
   if (x2.size(0) >= tiled_from) {
-    y = tiled_linear(x2, compressed, bitmask, bias, in_features);
+    y = tiled_linear(x2, compressed, bitmask, nullptr, bias, in_features);
   } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed)) {
     y = gemm_linear(x2, compressed, bitmask, bias, in_features);
   } else {
-    y = row_kernel_linear(x2, compressed, bitmask, bias, in_features);
+    y = row_kernel_linear(x2, compressed, bitmask, nullptr, bias, in_features);
   }
-  auto shape = x.sizes().vec();
-  shape.back() = compressed.size(0);
-  return y.to(x.scalar_type()).reshape(shape);
+  return shaped_as(y, x, compressed.size(0));
+}
+
+// An unstructured layer (bitmask_format): the row kernels below tiled_from tokens, tiles from it.
+at::Tensor bitmask_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmask,
+                          const at::Tensor& row_offsets, const c10::optional<at::Tensor>& bias,
+                          int64_t in_features, int64_t tiled_from) {
+  check_bitmask_layer(values, bitmask, row_offsets, in_features);
+  const at::Tensor x2 = rows_of(x, in_features);
+  const int64_t* offsets = row_offsets.data_ptr<int64_t>();
+  const at::Tensor y = x2.size(0) >= tiled_from
+                           ? tiled_linear(x2, values, bitmask, offsets, bias, in_features)
+                           : row_kernel_linear(x2, values, bitmask, offsets, bias, in_features);
+  return shaped_as(y, x, bitmask.size(0));
 }
 
 }  // namespace
@@ -234,6 +296,10 @@ TORCH_LIBRARY(whisper_sparse24_cpu, m) {
   m.def("linear(Tensor x, Tensor compressed, Tensor bitmask, Tensor? bias, int in_features, "
         "int gemm_from, int tiled_from) -> Tensor");
   m.def("decompress(Tensor compressed, Tensor bitmask, int in_features) -> Tensor");
+  m.def("bitmask_linear(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets, Tensor? bias, "
+        "int in_features, int tiled_from) -> Tensor");
+  m.def("bitmask_decompress(Tensor values, Tensor bitmask, Tensor row_offsets, int in_features) "
+        "-> Tensor");
   m.def("isa", &whisper_sparse24::isa);
   m.def("set_isa", &whisper_sparse24::set_isa);
 }
@@ -241,4 +307,6 @@ TORCH_LIBRARY(whisper_sparse24_cpu, m) {
 TORCH_LIBRARY_IMPL(whisper_sparse24_cpu, CPU, m) {
   m.impl("linear", &whisper_sparse24::linear);
   m.impl("decompress", &whisper_sparse24::decompress);
+  m.impl("bitmask_linear", &whisper_sparse24::bitmask_linear);
+  m.impl("bitmask_decompress", &whisper_sparse24::bitmask_decompress);
 }
