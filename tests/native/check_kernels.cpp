@@ -1,7 +1,7 @@
 // The AVX-512 kernels of the 2:4 CPU op, built with avx512_emulation.h, against a scalar
 // reference on integer values (every product and float32 sum exact, so equality is the test):
 // every shape of tails and row groups, 1 to 9 tokens, float32 and bfloat16 weights; and the
-// 2:4 GEMM at token counts around its tiles, with a bias.
+// 2:4 GEMM at token counts around its tiles, with a bias; and unstructured layers (row offsets).
 // Prints one line per failure and exits 1 on any; test_cpu_kernels.py builds and runs it.
 #include <cstdint>
 #include <cstdio>
