@@ -256,6 +256,18 @@ def parse_sparsity(label: str) -> tuple[float, str]:
     return float(label), "0:0"
 
 
+def check_serving_sparsities(parser, values: list[str]) -> None:
+    """The serving benchmarks' ``--sparsity``: ``2:4`` or a fraction in (0, 1) (the CPU op
+    and the plugin's two layouts); anything else is a usage error naming it."""
+    for value in values:
+        try:
+            valid = value == "2:4" or 0 < float(value) < 1
+        except ValueError:
+            valid = False
+        if not valid:
+            parser.error(f"--sparsity takes 2:4 or a fraction between 0 and 1, not {value!r}")
+
+
 def mean_sem(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     sem = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")

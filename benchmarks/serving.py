@@ -116,7 +116,7 @@ def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int, dty
     the chain's dense layout (which the plugin does not load) run by vLLM's own
     compressed-tensors kernels, bypassing ``serving_plan``'s refusal, bounded in time."""
     from whisper_modifiers.serving.worker_process import WorkerFailed, run_worker, serving_python
-    from whisper_modifiers.sparse_serving.layout import write_dense_layout
+    from whisper_modifiers.sparse_serving.format.layout import write_dense_layout
 
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with tempfile.TemporaryDirectory() as tmp:

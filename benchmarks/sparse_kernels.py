@@ -1,4 +1,4 @@
-"""2:4 sparse GEMMs against dense on one GPU, in one run (``sparse_serving.kernels``).
+"""2:4 sparse GEMMs against dense on one GPU, in one run (``sparse_serving.gpu.kernels``).
 
     python benchmarks/sparse_kernels.py                       # both sets
     python benchmarks/sparse_kernels.py --layers 8 --skip-per-shape
@@ -70,11 +70,21 @@ def prune_24(weight):
     return (groups * keep).reshape(weight.shape)
 
 
+def prune_unstructured(weight, sparsity: float):
+    """Magnitude pruning of the whole layer: its ``sparsity`` smallest values set to zero."""
+    magnitude = weight.abs().float()
+    count = round(sparsity * weight.numel())
+    if count == 0:
+        return weight.clone()
+    threshold = magnitude.flatten().kthvalue(count).values
+    return weight * (magnitude > threshold)
+
+
 def per_shape(models, tokens, dtype) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from whisper_modifiers.sparse_serving import dispatch_plans, kernels
+    from whisper_modifiers.sparse_serving.gpu import dispatch_plans, kernels
 
     rows = []
     for model in models:
@@ -155,7 +165,7 @@ def pruned_llama(layers: int, dtype, size: str = "7b", device: str = "cuda"):
 def time_forward(model, batch: int, sequence: int) -> tuple[float, str]:
     import torch
 
-    from whisper_modifiers.sparse_serving import dispatch_plans
+    from whisper_modifiers.sparse_serving.gpu import dispatch_plans
 
     ids = torch.randint(0, model.config.vocab_size, (batch, sequence), device="cuda")
 
@@ -187,7 +197,7 @@ def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[
     activation as a serving engine's kernels do, leaving the GEMMs as they are)."""
     import torch
 
-    from whisper_modifiers.sparse_serving import dispatch_plans, kernels
+    from whisper_modifiers.sparse_serving.gpu import dispatch_plans, kernels
 
     model = pruned_llama(layers, dtype)
     print(f"attention: {model.config._attn_implementation}", flush=True)
@@ -367,7 +377,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sparse_kernels: no CUDA device here; nothing to measure (2:4 GEMMs need sm80+).")
         return 0
-    from whisper_modifiers.sparse_serving import sparse_op
+    from whisper_modifiers.sparse_serving.gpu import sparse_op
 
     if not sparse_op.sparse_kernel_available("cuda", torch.bfloat16):
         print(f"sparse_kernels: {torch.cuda.get_device_name()} has no cuSPARSELt 2:4 GEMM.")

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from whisper_modifiers.sparse_serving.kernels import KERNEL_MODE_VARIABLE, KERNEL_MODES
+from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, KERNEL_MODES
 
 DECODE_PROMPT = 16  # prompt tokens of a decode workload's sequences
 DEFAULT_WORKLOADS = ["prefill:32x2048", "decode:1x128", "decode:64x256", "decode:256x128"]
@@ -158,7 +158,7 @@ def profiled(llm, workload: Workload, prompts, on_gpu: bool, top: int) -> dict:
 
 
 def weight_bytes(llm, count) -> dict:
-    """``count`` (``two_four_weight_bytes``) run on the engine's model, or why it could not."""
+    """``count`` (``sparse_weight_bytes``) run on the engine's model, or why it could not."""
     try:
         return llm.apply_model(count)[0]
     except Exception as error:  # an older vLLM without apply_model on its engine
@@ -195,7 +195,7 @@ def measure(args) -> dict:
     import torch
     import vllm
 
-    from whisper_modifiers.sparse_serving.weight_bytes import two_four_weight_bytes
+    from whisper_modifiers.sparse_serving.weight_bytes import sparse_weight_bytes
 
     workloads = [Workload.parse(text) for text in args.workloads]
     on_gpu = torch.cuda.is_available()
@@ -208,7 +208,7 @@ def measure(args) -> dict:
         "start_seconds": time.perf_counter() - start,
         "device": torch.cuda.get_device_name() if on_gpu else "CPU",
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
-        "weights": weight_bytes(llm, two_four_weight_bytes),
+        "weights": weight_bytes(llm, sparse_weight_bytes),
         "graphs": graph_settings(llm), "workloads": {}, "profiles": {},
         "rss_after_load": resident_bytes(),
     }  # fmt: skip

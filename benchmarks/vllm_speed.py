@@ -1,24 +1,28 @@
-"""vLLM serving speed of a compressed 2:4 checkpoint against the same model dense, with
-what the 2:4 layers hold for their weights and, with ``--profile``, where the time goes.
+"""vLLM serving speed of compressed sparse checkpoints (2:4, unstructured) against the same
+model dense, with what the compressed layers hold for their weights and, with
+``--profile``, where the time goes.
 
     python benchmarks/vllm_speed.py --layers 8 --profile            # GPU: Llama-7B-shaped
     python benchmarks/vllm_speed.py --modes auto sparse --capture-sizes 0 2048
+    python benchmarks/vllm_speed.py --shape 1b --layers 12 --modes auto --sparsity 2:4 0.5 0.65
     python benchmarks/vllm_speed.py --shape tiny --dtype float32 --workloads decode:2x8
 
 Builds a Llama-7B-shaped decoder of ``--layers`` layers with random weights (every decoder
 Linear pruned 2:4 by magnitude; ``--shape tiny`` is a 2-layer, hidden-128 stand-in for a
-CPU smoke run), saves it dense and in the compressed 2:4 layout, and runs one engine per
-configuration, each in its own process (``vllm_engine.py``, with the serving
-environment's Python): the dense checkpoint, then the 2:4 one in each kernel ``--modes``
-(``$WHISPER_MODIFIERS_SPARSE24``: ``auto`` keeps the dense weight beside the compressed
-one, ``sparse`` the compressed one alone); each at each ``--capture-sizes`` (vLLM's
-``max_cudagraph_capture_size``, 0 for vLLM's default). The engines run ``--rounds`` times,
-in turn (dense, 2:4, dense, 2:4, ...: on a shared machine one engine's speed moves from run
-to run), and each workload's tokens/s is the median over the rounds of each engine's median
-over its ``--repeats``. Ratios are 2:4 tokens/s over dense tokens/s at the same capture
-size: above 1 is faster. RSS saved is the dense engine's resident memory after loading less
-this engine's, over the dense bytes of the 2:4 layers' weights. Writes ``vllm_speed.md``
-and ``vllm_speed.json`` to ``--out``.
+CPU smoke run), saves it dense and, for each ``--sparsity``, compressed: ``2:4`` in the 2:4
+layout, an unstructured sparsity (new random values pruned by magnitude, layer by layer) in
+the bitmask layout. One engine per configuration runs, each in its own process
+(``vllm_engine.py``, with the serving environment's Python): the dense checkpoint, then
+each compressed one in each kernel ``--modes`` (``$WHISPER_MODIFIERS_SPARSE``: ``auto``
+keeps the dense weight beside the compressed one on GPUs, ``sparse`` the compressed one
+alone); each at each ``--capture-sizes`` (vLLM's ``max_cudagraph_capture_size``, 0 for
+vLLM's default). The engines run ``--rounds`` times, in turn (dense, 2:4, dense, 2:4, ...:
+on a shared machine one engine's speed moves from run to run), and each workload's
+tokens/s is the median over the rounds of each engine's median over its ``--repeats``.
+Ratios are tokens/s over dense tokens/s at the same capture size: above 1 is faster. RSS
+saved is the dense engine's resident memory after loading less this engine's, over the
+dense bytes of the compressed layers' weights. Writes ``vllm_speed.md`` and
+``vllm_speed.json`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -34,33 +38,55 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, write_json  # noqa: E402
+from common import RESULTS, check_serving_sparsities, write_json  # noqa: E402
 from cpu_sparse24 import cpu_line  # noqa: E402
-from sparse_kernels import LLAMA_SIZES, decoder_linear_names, pruned_llama  # noqa: E402
+from sparse_kernels import (  # noqa: E402
+    LLAMA_SIZES,
+    decoder_linear_names,
+    prune_unstructured,
+    pruned_llama,
+)
 from vllm_engine import DEFAULT_WORKLOADS, check_workloads  # noqa: E402
 
-from whisper_modifiers.sparse_serving.kernels import KERNEL_MODES  # noqa: E402
+from whisper_modifiers.sparse_serving.mode import KERNEL_MODES  # noqa: E402
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 ENGINE_TIMEOUT = 900  # seconds: start (compile and graph capture) and every workload
 
 
-def build_checkpoints(root: Path, shape: str, layers: int, dtype: str) -> tuple[Path, Path]:
-    """The same random model, pruned 2:4 by magnitude, saved dense and compressed 2:4."""
+def sparsity_label(sparsity: str) -> str:
+    """``2:4`` or an unstructured sparsity as a percentage (``0.65`` -> ``65%``)."""
+    return sparsity if sparsity == "2:4" else f"{float(sparsity) * 100:g}%"
+
+
+def build_checkpoints(root: Path, shape: str, layers: int, dtype: str,
+                      sparsities: list[str]) -> dict[str, Path]:  # fmt: skip
+    """The dense checkpoint (a random model pruned 2:4 by magnitude, zeros stored) and, per
+    sparsity, the compressed one: ``2:4`` that model in the 2:4 layout; an unstructured
+    sparsity the same model with new random values pruned by magnitude, layer by layer, in
+    the bitmask layout. Keyed ``dense`` and by ``sparsity_label``."""
     import torch
 
-    from whisper_modifiers.sparse_serving.layout import write_sparse24
+    from whisper_modifiers.sparse_serving.format.layout import write_compressed
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = pruned_llama(layers, getattr(torch, dtype), shape, device)
     targets = decoder_linear_names(model)
-    dense, sparse24 = root / "dense", root / "sparse24"
-    model.save_pretrained(dense)
-    model.save_pretrained(sparse24)
-    del model
-    write_sparse24(sparse24, targets)
-    return dense, sparse24
+    paths = {"dense": root / "dense"}
+    model.save_pretrained(paths["dense"])
+    for sparsity in sparsities:
+        label = sparsity_label(sparsity)
+        paths[label] = root / label.replace(":", "of").replace("%", "pct")
+        if sparsity != "2:4":
+            with torch.no_grad():
+                for name in targets:
+                    weight = model.get_submodule(name).weight
+                    weight.copy_(prune_unstructured(torch.randn_like(weight) * 0.02,
+                                                    float(sparsity)))  # fmt: skip
+        model.save_pretrained(paths[label])
+        write_compressed(paths[label], *((targets, []) if sparsity == "2:4" else ([], targets)))
+    return paths
 
 
 def engine_command(python: str, checkpoint: Path, label: str, mode: str, capture: int,
@@ -100,10 +126,13 @@ def compare(args, python: str, payload: dict) -> None:
     that a run stopped at a time limit keeps what ran before."""
     engines = payload["engines"]
     with tempfile.TemporaryDirectory() as root:
-        dense, sparse24 = build_checkpoints(Path(root), args.shape, args.layers, args.dtype)
+        paths = build_checkpoints(Path(root), args.shape, args.layers, args.dtype,
+                                  args.sparsity)  # fmt: skip
         for capture in args.capture_sizes:
-            runs = [("dense", dense, "auto")] + [(f"2:4 {mode}", sparse24, mode)
-                                                 for mode in args.modes]  # fmt: skip
+            runs = [("dense", paths["dense"], "auto")] + [
+                (f"{label} {mode}", path, mode)
+                for label, path in paths.items() if label != "dense" for mode in args.modes
+            ]  # fmt: skip
             for _ in range(args.rounds):
                 for label, checkpoint, mode in runs:
                     out = Path(root, f"{label.replace(' ', '-')}-{capture}.json")
@@ -161,15 +190,17 @@ def markdown(payload: dict) -> str:
     device = next((e["device"] for e in engines.values() if "device" in e), "?")
     workloads = config["workloads"]
     lines = [
-        "# vLLM serving speed: compressed 2:4 against dense",
+        f"# vLLM serving speed: compressed {', '.join(map(sparsity_label, config['sparsity']))} "
+        "against dense",
         "",
         f"Generated {time.strftime('%Y-%m-%d')} by `benchmarks/vllm_speed.py` on {device}: "
         f"{config['shape']}-shaped Llama, {config['layers']} layers, {config['dtype']}, random "
-        f"weights pruned 2:4; {config['rounds']} rounds of the engines in turn, each workload "
+        f"weights pruned by magnitude (2:4, or unstructured layer by layer: the bitmask "
+        f"layout); {config['rounds']} rounds of the engines in turn, each workload "
         f"the median over the rounds of each engine's median of {config['repeats']} runs. "
         f"CPU: {payload.get('cpu', '?')}. Capture size 0 is vLLM's default "
         "`max_cudagraph_capture_size`. Ratios are tokens/s over dense at the same capture "
-        "size; weights are what the 2:4 layers hold over their dense bytes; RSS saved is "
+        "size; weights are what the compressed layers hold over their dense bytes; RSS saved is "
         "dense's resident memory after load less this engine's, over those dense bytes.",
         "",
         "| engine | capture | CUDA graphs ≤ / step ≤ (tokens) | weights | RSS after load "
@@ -228,6 +259,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--modes", nargs="+", default=["auto", "sparse"], choices=KERNEL_MODES)
+    parser.add_argument(
+        "--sparsity",
+        nargs="+",
+        default=["2:4"],
+        help="the compressed checkpoints: 2:4 and/or unstructured sparsities in (0, 1)",
+    )
     parser.add_argument("--capture-sizes", nargs="+", type=int, default=[0])
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
@@ -244,6 +281,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     check_workloads(parser, args.workloads)
+    check_serving_sparsities(parser, args.sparsity)
     if args.layers < 1 or args.repeats < 1 or args.rounds < 1 or min(args.capture_sizes) < 0:
         parser.error(
             "--layers, --repeats and --rounds must be at least 1, --capture-sizes at least 0"

@@ -43,7 +43,8 @@ def pytest_configure(config):
 # start first; every other test goes wherever a worker is free. (xdist's own
 # ``--dist loadgroup`` renames node ids, which pytest 9.2 ignores.)
 GROUPED_MODULES = ("test_serving.py", "test_distributed.py", "test_families.py",
-                   "test_recipes.py", "test_safety.py", "test_moe_pairs.py")  # fmt: skip
+                   "test_recipes.py", "test_safety.py", "test_moe_pairs.py",
+                   "test_unstructured.py")  # fmt: skip
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -132,7 +133,7 @@ def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
     ``quantized`` adds a quantization scheme (a combination nothing reads today)."""
     from transformers import AutoModelForCausalLM
 
-    from whisper_modifiers.sparse_serving.layout import write_sparse24
+    from whisper_modifiers.sparse_serving.format.layout import write_compressed
 
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
     targets = []
@@ -147,7 +148,7 @@ def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
     model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(MODEL_DIR / name, directory / name)
-    write_sparse24(directory, targets)
+    write_compressed(directory, targets)
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
@@ -198,18 +199,25 @@ def group_32_recipe(directory: Path, stem: str) -> Path:
 
 
 def dense_state_dict(model) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every 2:4 layer that a plain ``from_pretrained`` kept
-    compressed for the CPU op (``CpuSparse24Linear``) as its dense ``weight``, decompressed
-    by ``format.decompress_24``: the weights to compare, whichever way the layer loaded."""
-    from whisper_modifiers.sparse_serving.cpu_linear import CpuSparse24Linear
-    from whisper_modifiers.sparse_serving.format import decompress_24
+    """``model.state_dict()`` with every layer that a plain ``from_pretrained`` kept
+    compressed for the CPU op (``CpuSparse24Linear``, ``CpuBitmaskLinear``) as its dense
+    ``weight``, decompressed by the format: the weights to compare, whichever way the layer
+    loaded."""
+    from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear, CpuSparse24Linear
+    from whisper_modifiers.sparse_serving.format.bitmask import decompress_bitmask
+    from whisper_modifiers.sparse_serving.format.two_four import decompress_24
 
     state = model.state_dict()
     for name, module in model.named_modules():
-        if isinstance(module, CpuSparse24Linear):
-            for part in ("compressed", "bitmask", "shape"):
-                del state[f"{name}.{part}"]
-            state[f"{name}.weight"] = decompress_24(
-                module.compressed, module.bitmask, (module.out_features, module.in_features), name
-            )
+        if not isinstance(module, (CpuSparse24Linear, CpuBitmaskLinear)):
+            continue
+        shape = (module.out_features, module.in_features)
+        parts = [module.compressed, module.bitmask]
+        if isinstance(module, CpuBitmaskLinear):
+            parts.append(module.row_offsets)
+            del state[f"{name}.row_offsets"]
+        for part in ("compressed", "bitmask", "shape"):
+            del state[f"{name}.{part}"]
+        decompress = decompress_bitmask if len(parts) == 3 else decompress_24
+        state[f"{name}.weight"] = decompress(*parts, shape, name)
     return state

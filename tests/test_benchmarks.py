@@ -181,6 +181,52 @@ def test_vllm_speed_refuses_a_bad_workload_before_any_engine(bad, capsys):
     assert f"--workloads: workload {bad!r}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["3:4", "0", "1.0", "half"])
+def test_sparsity_benchmarks_refuse_a_bad_sparsity_before_any_work(bad, capsys):
+    import cpu_sparse24
+    import vllm_speed
+
+    with pytest.raises(SystemExit):
+        vllm_speed.parse_args(["--sparsity", "2:4", bad])
+    with pytest.raises(SystemExit):
+        cpu_sparse24.main(["--sparsity", bad])
+    assert capsys.readouterr().err.count(f"--sparsity takes 2:4 or a fraction between 0 and 1, "
+                                         f"not {bad!r}") == 2  # fmt: skip
+
+
+def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
+    """benchmarks/cpu_sparse24.py over 2:4 and two unstructured sparsities on one small
+    shape: every layout timed against dense, the bytes of each layout, the summary table
+    and the plot of speed against sparsity."""
+    import cpu_sparse24
+
+    from whisper_modifiers.sparse_serving.cpu.op import cpu_isa, cpu_kernels_unavailable
+
+    if cpu_kernels_unavailable():
+        pytest.skip(cpu_kernels_unavailable())
+    monkeypatch.setattr(cpu_sparse24, "SHAPES", {"7B": {"o": (64, 256)}})
+    argv = ["--sparsity", "2:4", "0.5", "0.7", "--tokens", "1", "4", "--repeats", "1",
+            "--working-set", "1", "--dtype", "float32", "--out", str(tmp_path)]  # fmt: skip
+    assert cpu_sparse24.main(argv) == 0
+    stem = tmp_path / f"cpu_sparse-{cpu_isa()}"
+    payload = json.loads(stem.with_suffix(".json").read_text())
+    assert list(payload["sparsities"]) == ["2:4", "0.5", "0.7"]
+    bytes_ratio = {s: e["shapes"]["7B/o"][0]["op_bytes_ratio"]
+                   for s, e in payload["sparsities"].items()}  # fmt: skip
+    # float32: 2:4 keeps half the values plus a bit per input; the bitmask layout the kept
+    # values, a bit per input and an 8-byte offset per row
+    assert bytes_ratio["2:4"] == pytest.approx(0.5 + 1 / 32)
+    for sparsity in ("0.5", "0.7"):
+        assert bytes_ratio[sparsity] == pytest.approx(1 - float(sparsity) + 1 / 32 + 8 / 1024,
+                                                      abs=0.02)  # fmt: skip
+        rows = payload["sparsities"][sparsity]["shapes"]["7B/o"]
+        assert [row["tokens"] for row in rows] == [1, 4]
+        assert all(row["ratio"] > 0 and "gemm" not in row["seconds"] for row in rows)
+    table = stem.with_suffix(".md").read_text()
+    assert "| 0.7 | " in table and "## 2:4" in table and "## 0.5" in table
+    assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_workloads_count_the_tokens_they_time():
     from vllm_engine import Workload
 

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from whisper_modifiers.serving.probe import cpu_flag_set
-from whisper_modifiers.sparse_serving import cpu_build
-from whisper_modifiers.sparse_serving.bitmask_format import compress_bitmask
-from whisper_modifiers.sparse_serving.cpu_build import SOURCE_DIR
-from whisper_modifiers.sparse_serving.cpu_op import (
+from whisper_modifiers.sparse_serving.cpu import build as cpu_build
+from whisper_modifiers.sparse_serving.cpu.build import SOURCE_DIR
+from whisper_modifiers.sparse_serving.cpu.op import (
     CPU_ISAS,
     NO_TILES,
     bitmask_cpu_linear,
@@ -36,8 +35,9 @@ from whisper_modifiers.sparse_serving.cpu_op import (
     sparse24_cpu_linear,
     supported_isas,
 )
-from whisper_modifiers.sparse_serving.cpu_plans import plan_from_timings, random_two_four
-from whisper_modifiers.sparse_serving.format import compress_24, decompress_24
+from whisper_modifiers.sparse_serving.cpu.plans import plan_from_timings, random_two_four
+from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+from whisper_modifiers.sparse_serving.format.two_four import compress_24, decompress_24
 
 if cpu_kernels_unavailable():
     pytest.skip(cpu_kernels_unavailable(), allow_module_level=True)
@@ -162,7 +162,7 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     weight = random_two_four(32, 128, torch.bfloat16)
     compressed, bitmask = compress_24(weight)
     x = torch.randn(5, 128).to(torch.bfloat16)
-    op = torch.ops.whisper_sparse24_cpu.linear.default
+    op = torch.ops.whisper_sparse_cpu.linear.default
     for tiled_from, gemm_from in PATHS.values():
         torch.library.opcheck(op, (x, compressed, bitmask, None, 128, gemm_from, tiled_from),
                               test_utils=("test_schema", "test_faketensor"))  # fmt: skip
@@ -222,7 +222,7 @@ def test_the_gemm_runs_bfloat16_on_avx512_bf16_only(isa):
 def test_a_machine_that_cannot_build_says_why_in_one_line(tmp_path):
     """No compiler: the op is unavailable, with a one-line reason, and nothing is cached."""
     script = (
-        "from whisper_modifiers.sparse_serving.cpu_op import cpu_kernels_unavailable\n"
+        "from whisper_modifiers.sparse_serving.cpu.op import cpu_kernels_unavailable\n"
         "print('REASON', cpu_kernels_unavailable())\n"
     )
     env = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
@@ -239,9 +239,9 @@ def test_avx512_kernels_are_right_on_any_cpu(tmp_path):
     plain C++, lane by lane) against a scalar reference on integer values: the AVX-512
     kernels' lanes, masks and tails are checked on CPUs without AVX-512 too."""
     native = Path(__file__).with_name("native")
-    sources = [native / "check_kernels.cpp", SOURCE_DIR / "sparse24_avx512.cpp",
-               SOURCE_DIR / "sparse24_avx512_bf16.cpp",
-               SOURCE_DIR / "sparse24_avx512_bf16_gemm.cpp"]  # fmt: skip
+    sources = [native / "check_kernels.cpp", SOURCE_DIR / "avx512.cpp",
+               SOURCE_DIR / "avx512_bf16.cpp",
+               SOURCE_DIR / "avx512_bf16_gemm.cpp"]  # fmt: skip
     command = [cpu_build._compiler(), "-O1", "-std=c++17", "-I", str(SOURCE_DIR), "-I",
                str(native), "-DWS_EMULATE_INTRINSICS=\"avx512_emulation.h\"",
                *map(str, sources), "-o", str(tmp_path / "check")]  # fmt: skip
@@ -254,11 +254,11 @@ def test_avx512_kernels_are_right_on_any_cpu(tmp_path):
 def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):
     """A plan is kept per build of the op (its sources, torch, compiler): a plan measured
     with other kernels is not reused, one measured with these is."""
-    from whisper_modifiers.sparse_serving import cpu_plans
+    from whisper_modifiers.sparse_serving.cpu import plans as cpu_plans
 
     measured = []
 
-    def measure(out_features, in_features, dtype):
+    def measure(out_features, in_features, dtype, density=None):
         measured.append(cpu_plans.loaded_build_key())
         return cpu_plans.CpuPlan(16, True, 4, ((1, 2.0),)), []
 
@@ -273,6 +273,25 @@ def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_plans, "loaded_build_key", lambda: "another build")
     cpu_plans.cpu_plan(8, 32, torch.float32)
     assert measured[-1] == "another build" and len(measured) == 2
+
+
+def test_unstructured_layers_have_a_plan_per_density_step(tmp_path, monkeypatch):
+    """An unstructured layer's plan is measured at its density rounded to the step, apart
+    from the 2:4 plan of the same shape: 0.34 and 0.36 share one, 0.5 has its own."""
+    from whisper_modifiers.sparse_serving.cpu import plans as cpu_plans
+
+    measured = []
+
+    def measure(out_features, in_features, dtype, density=None):
+        measured.append(density)
+        return cpu_plans.CpuPlan(cpu_plans.NO_TILES, True), []
+
+    monkeypatch.setenv("WHISPER_MODIFIERS_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_plans, "measure_cpu_plan", measure)
+    monkeypatch.setattr(cpu_plans, "_known", {})
+    for density in (None, 0.34, 0.36, 0.5, None):
+        cpu_plans.cpu_plan(8, 32, torch.float32, density)
+    assert measured == [None, 0.35, 0.5]
 
 
 # ---- unstructured layers (bitmask_format): the same kernels, their pointers advancing by
@@ -339,3 +358,43 @@ def test_bitmask_op_refuses_bad_tensors():
         bitmask_cpu_linear(x, values.reshape(1, -1), bitmask, row_offsets, None, 64)
     with pytest.raises(RuntimeError, match=r"x must be a CPU tensor \[\.\.\., 64\]"):
         bitmask_cpu_linear(torch.randn(2, 60), values, bitmask, row_offsets, None, 64)
+
+
+def test_an_unstructured_plan_is_measured_on_rows_and_tiles():
+    """The plan of an unstructured layer times the row kernels and the tiles (there is no
+    unstructured GEMM) against dense, on a random weight of that density."""
+    from whisper_modifiers.sparse_serving.cpu.plans import measure_cpu_plan, random_unstructured
+
+    weight = random_unstructured(64, 256, torch.float32, 0.35)
+    assert abs((weight != 0).float().mean().item() - 0.35) < 0.02
+    plan, timings = measure_cpu_plan(16, 64, torch.float32, ladder=(1, 4), density=0.35)
+    assert plan.gemm_from == NO_TILES
+    assert [t["tokens"] for t in timings] == [1, 4]
+    assert all({"dense_s", "rows_s", "tiles_s"} <= t.keys() and "gemm_s" not in t
+               for t in timings)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_bitmask_linear_runs_the_op_on_its_plan(dtype, tmp_path, monkeypatch):
+    """``CpuBitmaskLinear`` over a layer's stored tensors (int32 offsets, as the legacy
+    format may hold, become int64) gives F.linear of the dense weight exactly on integer
+    values, on the row kernels and on the tiles; a moved offset is refused naming the
+    layer."""
+    from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear
+    from whisper_modifiers.sparse_serving.cpu.plans import CpuPlan
+    from whisper_modifiers.sparse_serving.format.bits import CorruptCheckpointError
+
+    generator = torch.Generator().manual_seed(6)
+    weight = integer_sparse(24, 100, 0.65, dtype, generator)
+    values, bitmask, row_offsets = compress_bitmask(weight)
+    x = torch.randint(-3, 4, (5, 100), generator=generator).to(dtype)
+    for tiled_from in (NO_TILES, 1):
+        module = CpuBitmaskLinear.from_compressed(values, bitmask, row_offsets.int(), 100,
+                                                  "layer", CpuPlan(tiled_from, True))  # fmt: skip
+        assert module.row_offsets.dtype == torch.int64
+        assert module.density() == pytest.approx(values.numel() / 2400)
+        assert torch.equal(module(x).float(), F.linear(x.float(), weight.float()).to(dtype).float())
+    moved = row_offsets.clone()
+    moved[3] += 1
+    with pytest.raises(CorruptCheckpointError, match=r"layer.row_offsets\[3\]"):
+        CpuBitmaskLinear.from_compressed(values, bitmask, moved, 100, "layer")

@@ -182,7 +182,7 @@ def test_lm_eval_reads_a_compressed_checkpoint_through_whisper_lm_eval(tmp_path,
     from transformers import AutoModelForCausalLM
 
     from conftest import MODEL_DIR
-    from whisper_modifiers.sparse_serving.layout import write_sparse24
+    from whisper_modifiers.sparse_serving.format.layout import write_compressed
 
     checkpoint = tmp_path / "compressed"
     model = load_model()
@@ -198,7 +198,7 @@ def test_lm_eval_reads_a_compressed_checkpoint_through_whisper_lm_eval(tmp_path,
     model.save_pretrained(checkpoint)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(MODEL_DIR / name, checkpoint / name)
-    write_sparse24(checkpoint, targets)
+    write_compressed(checkpoint, targets)
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     docs = [{"question": q, "choices": c, "gold": g} for q, c, g in [

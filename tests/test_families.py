@@ -26,7 +26,7 @@ from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
 from whisper_modifiers.checkpoint import RECORD_FILE
 from whisper_modifiers.preflight import meta_model
 from whisper_modifiers.sparse_serving import QUANT_METHOD
-from whisper_modifiers.sparse_serving.format import check_two_four
+from whisper_modifiers.sparse_serving.format.two_four import check_two_four
 
 pytestmark = pytest.mark.slow
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -21,7 +21,7 @@ from whisper_modifiers import WhisperModifier, WispPlusModifier, saving
 from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.output_dir import OutputDirError
 from whisper_modifiers.sparse_serving import QUANT_METHOD, NotTwoFourError
-from whisper_modifiers.sparse_serving.format import STOCK_LOADER_GUARD
+from whisper_modifiers.sparse_serving.format.declaration import STOCK_LOADER_GUARD
 
 pytestmark = pytest.mark.slow
 
@@ -117,6 +117,41 @@ def test_quantized_chains_store_their_8_bit_values_compressed(
         assert ((ours == 0).reshape(ours.shape[0], -1, 4).sum(-1) >= 2).all()
 
 
+@pytest.mark.parametrize(("sparsity", "mask_structure"), [(0.5, "0:0"), (0.75, "3:4")])
+def test_other_sparsity_is_saved_in_the_bitmask_layout(tmp_path, calibration, tokenizer,
+                                                       sparsity, mask_structure):  # fmt: skip
+    """Unstructured and N:M other than 2:4: every pruned Linear in the bitmask layout
+    (values, bitmask, row offsets), through oneshot's output_dir and save_pretrained alike,
+    reloading as the model in memory; a W8A8 chain stores its 8-bit values so."""
+    out = tmp_path / "out"
+    model = run([WhisperModifier(sparsity=sparsity, mask_structure=mask_structure)],
+                calibration, tokenizer, out)  # fmt: skip
+    again = tmp_path / "again"
+    model.save_pretrained(again)
+    pruned = model.state_dict()
+    for directory in (out, again):
+        declared = json.loads((directory / "config.json").read_text())["quantization_config"]
+        assert declared["quant_method"] == QUANT_METHOD and declared["format"] == "sparse-bitmask"
+        assert "model.layers.2.mlp.up_proj" in declared["bitmask_targets"]
+        assert "lm_head" not in declared["bitmask_targets"] and not declared["targets"]
+        record = json.loads((directory / RECORD_FILE).read_text())
+        assert record["layout"] == "compressed"
+        reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        state = dense_state_dict(reloaded)
+        assert state.keys() == pruned.keys()
+        assert all(torch.equal(state[k], pruned[k]) for k in pruned)
+    quantized = tmp_path / "w8a8"
+    run([WhisperModifier(sparsity=sparsity, mask_structure=mask_structure),
+         QuantizationModifier(targets=["Linear"], scheme="W8A8", ignore=["lm_head"])],
+        calibration, tokenizer, quantized)  # fmt: skip
+    with safe_open(quantized / "model.safetensors", "pt") as tensors:
+        values = tensors.get_tensor("model.layers.0.mlp.up_proj.compressed")
+    assert values.dtype == torch.int8 and values.dim() == 1
+    assert load_checkpoint(quantized).model.layers[0].mlp.up_proj.weight.count_nonzero() <= (
+        values.numel()
+    )
+
+
 def test_w4a16_chain_keeps_compressed_tensors_packed_format(tmp_path, calibration, tokenizer):
     from llmcompressor.recipe import Recipe
 
@@ -152,10 +187,10 @@ def test_a_failed_save_leaves_nothing_and_checks_come_first(tmp_path, calibratio
     # interrupted while writing the 2:4 layout: no directory, no partial one
     out = tmp_path / "interrupted"
 
-    def interrupted(directory, targets):
+    def interrupted(directory, *layers):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(saving, "write_sparse24", interrupted)
+    monkeypatch.setattr(saving, "write_compressed", interrupted)
     with pytest.raises(KeyboardInterrupt):
         model.save_pretrained(out)
     assert not list(tmp_path.iterdir())

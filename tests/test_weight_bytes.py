@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from whisper_modifiers.sparse_serving.kernels import Sparse24Linear
+from whisper_modifiers.sparse_serving.gpu.kernels import Sparse24Linear
 from whisper_modifiers.sparse_serving.weight_bytes import (
     DENSE_BYTES_ATTRIBUTE,
     layer_weight_bytes,
-    two_four_weight_bytes,
+    sparse_weight_bytes,
 )
 
 OUT, IN = 32, 64
@@ -24,7 +24,7 @@ def two_four_weight(dtype=torch.bfloat16) -> torch.Tensor:
 
 
 class StandInKernel(torch.nn.Module):
-    """What the plugin attaches as ``sparse24_kernel`` on a GPU: cuSPARSELt's compressed
+    """What the plugin attaches as ``sparse_kernel`` on a GPU: cuSPARSELt's compressed
     16-bit operand (9/16 of the dense bytes) and, in the auto mode, the dense copy."""
 
     def __init__(self, weight, keep_dense):
@@ -43,7 +43,7 @@ def served_layer(keep_dense: bool | None) -> torch.nn.Module:
     if keep_dense is None or keep_dense:
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
     if keep_dense is not None:
-        layer.sparse24_kernel = StandInKernel(weight, keep_dense)
+        layer.sparse_kernel = StandInKernel(weight, keep_dense)
     return layer
 
 
@@ -57,7 +57,7 @@ def test_a_served_layer_counts_each_storage_it_holds_once(keep_dense, ratio):
 
 def test_model_totals_count_a_kernel_inside_a_marked_layer_once():
     model = torch.nn.ModuleList([served_layer(True), served_layer(False), torch.nn.Linear(4, 4)])
-    totals = two_four_weight_bytes(model)
+    totals = sparse_weight_bytes(model)
     assert totals["layers"] == 2  # the plain Linear is no 2:4 layer
     assert totals["dense_bytes"] == 2 * OUT * IN * 2
     assert totals["ratio"] == pytest.approx((1.5625 + 0.5625) / 2)
@@ -66,7 +66,7 @@ def test_model_totals_count_a_kernel_inside_a_marked_layer_once():
 def test_sparse24_linear_on_a_cpu_holds_its_dense_weight_once():
     """Where the kernel cannot run (CPU), the module keeps only the dense weight: 1.0×."""
     module = torch.nn.Sequential(Sparse24Linear(two_four_weight(torch.float32)))
-    totals = two_four_weight_bytes(module)
+    totals = sparse_weight_bytes(module)
     assert totals == {"layers": 1, "held_bytes": OUT * IN * 4, "dense_bytes": OUT * IN * 4,
                       "ratio": 1.0, "packed_layers": 0}  # fmt: skip
 
@@ -77,12 +77,12 @@ def test_a_weight_packed_out_of_sight_gives_no_ratio():
     layer = served_layer(None)
     layer.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
     assert layer_weight_bytes(layer) == (None, OUT * IN * 2)
-    totals = two_four_weight_bytes(torch.nn.ModuleList([layer, served_layer(False)]))
+    totals = sparse_weight_bytes(torch.nn.ModuleList([layer, served_layer(False)]))
     assert totals["packed_layers"] == 1 and totals["ratio"] is None
 
 
 def test_a_model_without_two_four_layers_has_no_ratio():
-    assert two_four_weight_bytes(torch.nn.Linear(4, 4))["ratio"] is None
+    assert sparse_weight_bytes(torch.nn.Linear(4, 4))["ratio"] is None
 
 
 def test_a_compressed_only_kernel_reads_its_dense_bytes_from_its_shape():

@@ -22,7 +22,7 @@ from whisper_modifiers.serving.worker_process import (
     exit_description,
     run_worker,
 )
-from whisper_modifiers.sparse_serving.cpu_fp8 import dequantized_fp8_weight
+from whisper_modifiers.sparse_serving.cpu.fp8 import dequantized_fp8_weight
 
 
 def fake_python(path, body: str):
@@ -172,7 +172,7 @@ def test_the_plugin_asks_for_amx_where_the_cpu_has_it():
     it), elsewhere there is nothing to ask (None). Decided from the CPU's flags, so it
     holds on either kind of CI machine."""
     from whisper_modifiers.serving.probe import AMX_FLAGS, cpu_flag_set
-    from whisper_modifiers.sparse_serving.vllm_plugin import request_amx
+    from whisper_modifiers.sparse_serving.vllm_adapter.plugin import request_amx
 
     assert request_amx() is (True if "amx_tile" in cpu_flag_set() & AMX_FLAGS else None)
 
@@ -183,7 +183,7 @@ def test_vllms_warning_per_cast_weight_becomes_one_line():
     and lets every other record through."""
     import logging
 
-    from whisper_modifiers.sparse_serving.vllm_plugin import CastNote
+    from whisper_modifiers.sparse_serving.vllm_adapter.plugin import CastNote
 
     note = CastNote()
 

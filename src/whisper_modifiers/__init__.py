@@ -31,7 +31,7 @@ if importlib.util.find_spec("llmcompressor") is not None:
     _save_compressed_after(tuple(_modifiers.REGISTRY.values()))
 
     # transformers loads compressed 2:4 checkpoints (decompressed) from now on
-    from whisper_modifiers.sparse_serving.transformers_quantizer import (
+    from whisper_modifiers.sparse_serving.transformers_adapter.quantizer import (
         register as _register_sparse24,
     )
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from whisper_modifiers.sparse_serving.layout import (
-    is_sparse24_checkpoint,
-    verify_compressed_layers,
-    weight_files,
+from whisper_modifiers.sparse_serving.format.declaration import (
+    is_compressed_checkpoint,
+    is_ours,
+    targets_by_format,
 )
+from whisper_modifiers.sparse_serving.format.layout import verify_compressed_layers, weight_files
 
 __all__ = [
     "RECORD_FILE",
@@ -149,10 +150,11 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
     ``whisper-prune`` output (a ``.NAME.partial-*`` directory left by a killed run) is
     refused unless ``unfinished_ok`` (whisper-prune's own check before renaming it).
 
-    Compressed 2:4 checkpoints (``sparse_serving``: this package's format, and the
-    unquantized legacy ``sparse-24-bitmask`` of compressed-tensors < 0.15, which has the
-    same tensors) are accepted: ``load_checkpoint`` and the vLLM plugin read them. Other
-    legacy sparse formats are refused with the way to convert them: current
+    Compressed sparse checkpoints (``sparse_serving.format``: this package's 2:4 and
+    unstructured layouts, and the unquantized legacy ``sparse-24-bitmask`` and
+    ``sparse-bitmask`` of compressed-tensors < 0.15, which have the same tensors) are
+    accepted, every stored layer checked: ``load_checkpoint`` and the vLLM plugin read
+    them. Other legacy sparse formats are refused with the way to convert them: current
     compressed-tensors has no decompressor for them, and vLLM no kernel.
     """
     directory = Path(directory)
@@ -164,20 +166,30 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
     config = read_config(directory)
     _check_not_legacy(directory, config)
     _check_files_present(directory)
-    if is_sparse24_checkpoint(config):  # every stored 2:4 layer, before anything loads it
-        verify_compressed_layers(weight_files(directory))
+    if is_compressed_checkpoint(config):  # every stored layer, before anything loads it
+        verify_compressed_layers(weight_files(directory), declared=_declared(config))
     return config
+
+
+def _declared(config: dict) -> dict[str, str] | None:
+    """Our checkpoint's compressed layers by name -> layout (a legacy one names patterns)."""
+    quantization = config.get("quantization_config") or {}
+    if not is_ours(quantization):
+        return None
+    by_format, _ = targets_by_format(quantization)
+    return {name: format for format, names in by_format.items() for name in names}
 
 
 def _check_not_legacy(directory: Path, config: dict) -> None:
     """Refuse a legacy sparse format this package cannot read, with the way to convert."""
     sparsity = (config.get("quantization_config") or {}).get("sparsity_config") or {}
-    if sparsity.get("format") in LEGACY_SPARSE_FORMATS and not is_sparse24_checkpoint(config):
+    if sparsity.get("format") in LEGACY_SPARSE_FORMATS and not is_compressed_checkpoint(config):
         raise ValueError(
             f"{directory} stores weights in the legacy {sparsity['format']!r} format of "
-            "compressed-tensors < 0.15 (quantized, or not 2:4), which current "
+            "compressed-tensors < 0.15 (quantized, or marlin-24), which current "
             "compressed-tensors cannot decompress and current vLLM cannot serve (this package "
-            "reads the unquantized 'sparse-24-bitmask' only). Convert it to the dense layout "
+            "reads the unquantized 'sparse-24-bitmask' and 'sparse-bitmask' only). Convert it "
+            "to the dense layout "
             "in an environment "
             "with the old library: pip install 'compressed-tensors<0.15' 'llmcompressor<0.8'; "
             "then load it with transformers (which decompresses it) and save_pretrained() it "
@@ -224,28 +236,27 @@ def is_unfinished_output(directory: str | Path) -> bool:
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32):
     """``check_checkpoint``, then load it with transformers, quantized weights dequantized
     to ``dtype`` (``run_compressed=False``: a packed W4A16 module otherwise stays packed and
-    has no ``weight``) and compressed 2:4 weights decompressed (``loading_dense``: every
+    has no ``weight``) and compressed sparse weights decompressed (``loading_dense``: every
     Linear an ``nn.Linear`` with its weight, also where a plain ``from_pretrained`` keeps
-    2:4 layers compressed for the CPU op).
+    them compressed for the CPU op).
 
-    A compressed 2:4 checkpoint of ours without quantization loads through the quantizer
+    A compressed checkpoint of ours without quantization loads through the quantizer
     ``import whisper_modifiers`` registered with transformers. A quantized one (W8A8, FP8)
-    or a legacy ``sparse-24-bitmask`` one is first rewritten in the dense layout in a
-    temporary directory (``sparse_serving.layout.write_dense_layout``) and loaded from
+    or a legacy compressed-tensors one is first rewritten in the dense layout in a
+    temporary directory (``sparse_serving.format.layout.write_dense_layout``) and loaded from
     there, so a quantized chain runs compressed-tensors' quantized forward (activation
     quantization included) exactly as its dense layout would.
     """
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from whisper_modifiers.sparse_serving.format import QUANT_METHOD
-    from whisper_modifiers.sparse_serving.layout import write_dense_layout
-    from whisper_modifiers.sparse_serving.transformers_quantizer import loading_dense
+    from whisper_modifiers.sparse_serving.format.layout import write_dense_layout
+    from whisper_modifiers.sparse_serving.transformers_adapter.quantizer import loading_dense
 
     config = check_checkpoint(directory)
     quantization = config.get("quantization_config") or {}
-    if is_sparse24_checkpoint(config) and (
-        quantization.get("quant_method") != QUANT_METHOD or quantization.get("quantization_config")
+    if is_compressed_checkpoint(config) and (
+        not is_ours(quantization) or quantization.get("quantization_config")
     ):
         with tempfile.TemporaryDirectory() as tmp:
             return load_checkpoint(write_dense_layout(directory, Path(tmp) / "dense"), dtype)

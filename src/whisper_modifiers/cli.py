@@ -65,7 +65,7 @@ from whisper_modifiers.recipes import (
     resolve_recipe,
     storage_layout,
 )
-from whisper_modifiers.sparse_serving.layout import write_dense_layout
+from whisper_modifiers.sparse_serving.format.layout import write_dense_layout
 
 __all__ = [
     "REPORT_FILE",
@@ -162,9 +162,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--layout",
         choices=("auto", "compressed", "dense"),
         default="auto",
-        help="how 2:4 weights are stored: 'compressed' (half the values plus a 4-bit-per-"
-        "group bitmask, served by this package's vLLM plugin), 'dense' (zeros stored, "
-        "any loader), 'auto' (default: compressed for a 2:4 recipe that is unquantized or "
+        help="how pruned weights are stored: 'compressed' (2:4 layers as half the values "
+        "plus a bitmask, others as their kept values, a bitmask and row offsets where that "
+        "is smaller; served by this package's vLLM plugin), 'dense' (zeros stored, any "
+        "loader), 'auto' (default: compressed for a pruning recipe that is unquantized or "
         "quantized to 8 bits, else dense)",
     )
     parser.add_argument(
@@ -389,10 +390,10 @@ def _save(plan: Plan, model, report: dict) -> None:
                                               saving.llmcompressor_save(model), plan.layout,
                                               **details)  # fmt: skip
         except ValueError as error:  # NotTwoFourError, or a format it cannot hold
-            raise PruningFailed(f"cannot store the compressed 2:4 layout: {error}") from error
+            raise PruningFailed(f"cannot store the compressed layout: {error}") from error
         report["sparsity"] = written["record"]["summary"]["sparsity"]
-        if written["compressed_2of4"] is not None:
-            report["compressed_2of4"] = written["compressed_2of4"]
+        if written["compressed"] is not None:
+            report["compressed"] = written["compressed"]
         plan.tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(checkpoint.strict_json(report))
         checkpoint.check_checkpoint(partial, unfinished_ok=True)
@@ -429,8 +430,17 @@ def main(argv=None) -> int:
         f"{'-' if dense is None else f'{dense:.3f}'} | {report['pruned_perplexity']:.3f} | "
         f"{report['sparsity']:.1%} | {report['pruning_seconds']:.1f} s |"
     )
-    print(f"\ncheckpoint: {report['output_dir']}")
+    print(f"\ncheckpoint: {report['output_dir']}{_size_note(report)}")
     return 0
+
+
+def _size_note(report: dict) -> str:
+    """`` (N GiB of weights, r x the dense layout)`` of a compressed checkpoint."""
+    sizes = report.get("compressed")
+    if not sizes:
+        return ""
+    stored, dense = sizes["checkpoint_bytes"], sizes["dense_checkpoint_bytes"]
+    return f" ({stored / 2**30:.2f} GiB of weights, {stored / dense:.2f}x the dense layout)"
 
 
 if __name__ == "__main__":

@@ -67,13 +67,13 @@ def check_prunable(model_id: str, config) -> bool:
     quantization: whisper-prune then loads it through its dense layout (a temporary copy,
     since llmcompressor refuses a model whose config.json names another quantization
     method). A quantized checkpoint is refused: its weights are not full precision."""
-    from whisper_modifiers.sparse_serving.layout import is_sparse24_checkpoint
+    from whisper_modifiers.sparse_serving.format.declaration import is_compressed_checkpoint
 
     quantization = getattr(config, "quantization_config", None)
     if not quantization:
         return False
     quantization = quantization if isinstance(quantization, dict) else quantization.to_dict()
-    if is_sparse24_checkpoint({"quantization_config": quantization}) and not quantization.get(
+    if is_compressed_checkpoint({"quantization_config": quantization}) and not quantization.get(
         "quantization_config"
     ):
         return True

@@ -112,23 +112,22 @@ def check_recipe_targets(path: Path, modifiers: list, model, num_sequences: int)
 
 
 def storage_layout(layout: str, modifiers: list) -> str:
-    """``--layout`` resolved: ``compressed`` needs a 2:4 recipe, unquantized or quantized
-    to one 8-bit value per weight (W8A8, FP8); 4-bit packed weights keep the dense layout
-    (``saving.storage_layout``, what ``auto`` gives)."""
-    from whisper_modifiers.saving import packs_weights, prunes_two_four
+    """``--layout`` resolved: ``compressed`` needs a pruning recipe, unquantized or
+    quantized to one 8-bit value per weight (W8A8, FP8); 4-bit packed weights keep the
+    dense layout (``saving.storage_layout``, what ``auto`` gives)."""
+    from whisper_modifiers.saving import packs_weights, prunes
     from whisper_modifiers.saving import storage_layout as automatic
 
     if layout == "auto":
         return automatic(modifiers)
-    two_four = prunes_two_four(modifiers)
     packed = packs_weights(modifiers)
-    if layout == "compressed" and (packed or not two_four):
+    if layout == "compressed" and (packed or not prunes(modifiers)):
         raise UsageError(
-            "--layout compressed stores 2:4 weights unquantized or as 8-bit values: the "
+            "--layout compressed stores pruned weights unquantized or as 8-bit values: the "
             + (
                 "recipe packs weights to fewer bits (W4A16 keeps compressed-tensors' layout)"
                 if packed
-                else "recipe has no mask_structure '2:4' modifier"
+                else "recipe has no pruning modifier"
             )  # fmt: skip
         )
     return layout

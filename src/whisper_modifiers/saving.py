@@ -4,11 +4,13 @@
 * ``write_checkpoint``: into a new directory, after checking in memory that every layer a
   2:4 modifier pruned is exactly 2:4 (nothing is written otherwise): llmcompressor's save
   (compressed-tensors; a quantized chain's scales and packed values), then, for the
-  ``compressed`` layout, each 2:4 Linear rewritten as values plus bitmask with the
-  load-time guard for stock transformers (``sparse_serving.layout.write_sparse24``), and
-  ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) are packed back into the family's
-  fused experts for the save (``packed_experts``) and stay dense there. whisper-prune
-  calls it inside its partial directory.
+  ``compressed`` layout, each 2:4 Linear rewritten as values plus bitmask and every other
+  Linear a pruning modifier pruned (unstructured, or N:M other than 2:4) as each row's
+  values, a bitmask and row offsets where that is smaller than dense, with the load-time
+  guard for stock transformers (``sparse_serving.format.layout.write_compressed``), and
+  ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) are packed back into the
+  family's fused experts for the save (``packed_experts``) and stay dense there.
+  whisper-prune calls it inside its partial directory.
 * ``install_compressed_save``: installed when llmcompressor's lifecycle finalizes a recipe
   with one of our pruning modifiers (``save_compressed_after``, which the package's
   entry calls with ``modifiers.REGISTRY``'s classes). It wraps
@@ -20,9 +22,9 @@
   stored) and the record. A recipe made only of llmcompressor's stock modifiers installs
   nothing: importing this package does not change what a stock recipe saves.
 
-``storage_layout`` says which layout a recipe's checkpoint gets: ``compressed`` for a 2:4
-recipe, unquantized or quantized to one 8-bit value per weight (W8A8, FP8); ``dense``
-otherwise (W4A16 keeps compressed-tensors' packed format).
+``storage_layout`` says which layout a recipe's checkpoint gets: ``compressed`` for a
+pruning recipe, unquantized or quantized to one 8-bit value per weight (W8A8, FP8);
+``dense`` otherwise (W4A16 keeps compressed-tensors' packed format).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from loguru import logger
 from whisper_modifiers import checkpoint
 from whisper_modifiers.modifiers.moe_routing import MOE_EXPERT
 from whisper_modifiers.output_dir import check_output_dir, partial_output
-from whisper_modifiers.sparse_serving.format import check_two_four
-from whisper_modifiers.sparse_serving.layout import write_sparse24
+from whisper_modifiers.sparse_serving.format.layout import write_compressed
+from whisper_modifiers.sparse_serving.format.two_four import check_two_four
 
 __all__ = [
     "gamma_selection",
@@ -47,31 +49,48 @@ __all__ = [
     "save_compressed_after",
     "llmcompressor_save",
     "packs_weights",
-    "prunes_two_four",
+    "prunes",
     "storage_layout",
     "two_four_layers",
+    "unstructured_layers",
     "write_checkpoint",
 ]
 
 _INSTALLED = "_whisper_modifiers_save"  # the attribute our wrapper carries
 
 
-def two_four_layers(model, modifiers: list) -> list[str]:
-    """Names of the Linear modules that the recipe's 2:4 modifiers prune."""
+def _pruned_linears(model, modifier) -> list[str]:
+    """Names of the Linear modules that a pruning ``modifier`` prunes."""
     from compressed_tensors.utils import match_named_modules, match_targets
 
+    ignore = list(modifier.ignore or [])
     names = []
-    for modifier in modifiers:
-        if getattr(modifier, "mask_structure", None) != "2:4":
-            continue
-        ignore = list(modifier.ignore or [])
-        for name, module in match_named_modules(model, modifier.targets, ignore):
-            inner = [(name, module)] if isinstance(module, torch.nn.Linear) else [
-                (f"{name}.{n}", m) for n, m in module.named_modules()
-                if isinstance(m, torch.nn.Linear)
-            ]  # fmt: skip
-            names += [n for n, m in inner if not match_targets(n, m, ignore)]
-    return sorted(set(names))
+    for name, module in match_named_modules(model, modifier.targets, ignore):
+        inner = [(name, module)] if isinstance(module, torch.nn.Linear) else [
+            (f"{name}.{n}", m) for n, m in module.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        ]  # fmt: skip
+        names += [n for n, m in inner if not match_targets(n, m, ignore)]
+    return names
+
+
+def _structure(modifier) -> str | None:
+    """A pruning modifier's ``mask_structure`` (ours and llmcompressor's); None for others."""
+    return getattr(modifier, "mask_structure", None)
+
+
+def two_four_layers(model, modifiers: list) -> list[str]:
+    """Names of the Linear modules that the recipe's 2:4 modifiers prune."""
+    return sorted({name for modifier in modifiers if _structure(modifier) == "2:4"
+                   for name in _pruned_linears(model, modifier)})  # fmt: skip
+
+
+def unstructured_layers(model, modifiers: list) -> list[str]:
+    """Names of the Linear modules that the recipe's other pruning modifiers prune
+    (unstructured, or N:M other than 2:4), less those a 2:4 modifier prunes."""
+    names = {name for modifier in modifiers if _structure(modifier) not in (None, "2:4")
+             for name in _pruned_linears(model, modifier)}  # fmt: skip
+    return sorted(names - set(two_four_layers(model, modifiers)))
 
 
 def packs_weights(modifiers: list) -> bool:
@@ -86,15 +105,15 @@ def packs_weights(modifiers: list) -> bool:
     )
 
 
-def prunes_two_four(modifiers: list) -> bool:
-    """Whether a modifier of the recipe prunes to 2:4."""
-    return any(getattr(m, "mask_structure", None) == "2:4" for m in modifiers)
+def prunes(modifiers: list) -> bool:
+    """Whether a modifier of the recipe prunes (any ``mask_structure``)."""
+    return any(_structure(m) is not None for m in modifiers)
 
 
 def storage_layout(modifiers: list) -> str:
-    """``compressed`` for a 2:4 recipe stored unquantized or as 8-bit values, else
+    """``compressed`` for a pruning recipe stored unquantized or as 8-bit values, else
     ``dense``."""
-    return "compressed" if prunes_two_four(modifiers) and not packs_weights(modifiers) else "dense"
+    return "compressed" if prunes(modifiers) and not packs_weights(modifiers) else "dense"
 
 
 def gamma_selection(modifiers) -> dict[str, dict]:
@@ -108,12 +127,12 @@ def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout
                      **details) -> dict:  # fmt: skip
     """Write ``model`` pruned by ``modifiers`` into the new ``directory`` with ``save``
     (llmcompressor's ``save_pretrained``) in ``layout``: ``compressed`` (llmcompressor's
-    compressed save, then the 2:4 layers rewritten), ``dense`` (its compressed save: a
-    quantized chain's format, pruned zeros stored) or ``uncompressed`` (its
-    ``save_compressed=False``), and ``sparsity_record.json`` holding ``details`` (recipe,
-    source model, ...). Every layer a 2:4 modifier pruned is checked to be exactly 2:4
-    first (``NotTwoFourError`` naming it; nothing written). Returns ``{"record": ...,
-    "compressed_2of4": sizes or None}``."""
+    compressed save, then the pruned layers rewritten: ``write_compressed``), ``dense``
+    (its compressed save: a quantized chain's format, pruned zeros stored) or
+    ``uncompressed`` (its ``save_compressed=False``), and ``sparsity_record.json`` holding
+    ``details`` (recipe, source model, ...). Every layer a 2:4 modifier pruned is checked
+    to be exactly 2:4 first (``NotTwoFourError`` naming it; nothing written). Returns
+    ``{"record": ..., "compressed": write_compressed's sizes and layers, or None}``."""
     directory = Path(directory)
     two_four = two_four_layers(model, modifiers)
     modules = dict(model.named_modules())
@@ -125,18 +144,20 @@ def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout
     record = checkpoint.sparsity_record(model, modifiers=names, layout=layout, **details)
     with packed_experts(model):
         save(directory, save_compressed=layout != "uncompressed")
-    experts = [name for name in two_four if MOE_EXPERT.match(name)]
+    unstructured = unstructured_layers(model, modifiers)
+    experts = [name for name in two_four + unstructured if MOE_EXPERT.match(name)]
     if experts and layout == "compressed":
         logger.warning(
             f"{len(experts)} MoE expert layers ({experts[0]}, ...) are stored dense, in "
             "the model's own fused experts format"
         )
-    compressed = [name for name in two_four if name not in experts]
-    sizes = None
-    if layout == "compressed" and compressed:
-        sizes = write_sparse24(directory, compressed)
+    two_four, unstructured = ([n for n in names if n not in experts]
+                              for names in (two_four, unstructured))  # fmt: skip
+    written = None
+    if layout == "compressed" and (two_four or unstructured):
+        written = write_compressed(directory, two_four, unstructured)
     checkpoint.write_record(directory, record)
-    return {"record": record, "compressed_2of4": sizes}
+    return {"record": record, "compressed": written}
 
 
 @contextlib.contextmanager

@@ -9,9 +9,9 @@
 #include <random>
 #include <vector>
 
-#include "sparse24.h"
+#include "sparse_kernels.h"
 
-using namespace whisper_sparse24;
+using namespace whisper_sparse;
 
 namespace {
 

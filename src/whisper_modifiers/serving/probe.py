@@ -26,8 +26,8 @@ from whisper_modifiers.serving.worker_process import (
     serving_env,
     serving_python,
 )
-from whisper_modifiers.sparse_serving.cpu_fp8 import EMULATED_FP8_NOTE
-from whisper_modifiers.sparse_serving.format import QUANT_METHOD
+from whisper_modifiers.sparse_serving.cpu.fp8 import EMULATED_FP8_NOTE
+from whisper_modifiers.sparse_serving.format.declaration import is_ours
 from whisper_modifiers.sparse_serving.paths import write_json_atomically
 
 __all__ = [
@@ -109,7 +109,7 @@ def scheme_config(config: dict) -> dict:
     """The compressed-tensors quantization config whose kernels serve the checkpoint (for a
     compressed 2:4 chain, the one nested in its ``quantization_config``)."""
     quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") == QUANT_METHOD:
+    if is_ours(quantization):
         return quantization.get("quantization_config") or {}
     return quantization
 
@@ -193,7 +193,7 @@ def serving_plan(checkpoint: str | Path, python: str | Path | None = None,
     if not on_cpu():
         return ServingPlan(dtype or "auto")
     python = serving_python(python)
-    ours = (config.get("quantization_config") or {}).get("quant_method") == QUANT_METHOD
+    ours = is_ours(config.get("quantization_config"))
     if not ours and _dynamic_fp8(scheme_config(config)):  # refused before any engine starts
         kernel = capabilities(python)["fp8_dynamic_kernel"]
         if kernel.endswith("(emulated)"):

@@ -88,7 +88,7 @@ def _missing_ops(required: list[str]) -> list[str]:
 def _quantized_kernels(model) -> tuple[dict[str, str], bool]:
     """The class of the kernel vLLM chose for each quantized Linear of ``model``, and
     whether any is its emulated FP8 path."""
-    from whisper_modifiers.sparse_serving.cpu_fp8 import emulated_fp8_kernel
+    from whisper_modifiers.sparse_serving.cpu.fp8 import emulated_fp8_kernel
 
     kernels, emulated = {}, False
     for name, module in model.named_modules():
@@ -133,7 +133,7 @@ def capabilities() -> dict:
         "int8_saturates": None,
     }
     if ops["W8A8 oneDNN"]:
-        from whisper_modifiers.sparse_serving.cpu_int8 import onednn_int8_saturates
+        from whisper_modifiers.sparse_serving.cpu.int8 import onednn_int8_saturates
 
         answer["int8_saturates"] = onednn_int8_saturates()
     answer["fp8_dynamic_kernel"] = _fp8_dynamic_kernel()
@@ -151,7 +151,7 @@ def _fp8_dynamic_kernel() -> str:
         kFp8StaticChannelSym,
     )
 
-    from whisper_modifiers.sparse_serving.cpu_fp8 import emulated_fp8_kernel
+    from whisper_modifiers.sparse_serving.cpu.fp8 import emulated_fp8_kernel
 
     with set_current_vllm_config(VllmConfig()):
         chosen = init_fp8_linear_kernel(kFp8DynamicTokenSym, kFp8StaticChannelSym,

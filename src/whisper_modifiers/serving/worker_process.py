@@ -131,7 +131,8 @@ def run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM
 # Variables a resident process applies per request (read when a layer loads or a file is
 # written); any other difference from the environment it started with needs a process of
 # its own (oneDNN's ISA cap, vLLM's plugins and thread binding are read once per process).
-PER_REQUEST_VARIABLES = ("WHISPER_MODIFIERS_SPARSE24", "WHISPER_MODIFIERS_CACHE")
+PER_REQUEST_VARIABLES = ("WHISPER_MODIFIERS_SPARSE", "WHISPER_MODIFIERS_SPARSE24",
+                         "WHISPER_MODIFIERS_CACHE")  # fmt: skip
 _residents: dict[Path, ResidentWorker] | None = None
 
 

@@ -6,7 +6,7 @@
 //
 // One file per instruction set (each function carries its own target attribute, so no file is
 // compiled for a CPU it may not run on; AVX-512 BF16 has two: its row kernels and its 2:4
-// GEMM), this header, and sparse24_op.cpp: the run-time dispatch from the CPU's flags and the
+// GEMM), this header, and op.cpp: the run-time dispatch from the CPU's flags and the
 // torch op. The pure-torch reference the tests compare them with is format.decompress_24
 // followed by F.linear.
 #pragma once
@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace whisper_sparse24 {
+namespace whisper_sparse {
 
 enum class WeightType : int { f32 = 0, bf16 = 1 };
 
@@ -75,22 +75,22 @@ struct DecompressArgs {
   const int64_t* row_offsets = nullptr;
 };
 
-// sparse24_avx2.cpp: AVX2 + FMA; x float32; a table indexed by each byte of the bitmask (two
+// avx2.cpp: AVX2 + FMA; x float32; a table indexed by each byte of the bitmask (two
 // groups of four) places the four kept values of eight inputs.
 void rows_avx2(const RowsArgs& args);
 void decompress_avx2(const DecompressArgs& args);
 
-// bitmask_avx2.cpp: unstructured rows (RowsArgs::row_offsets) on AVX2 + FMA; x float32; a
+// avx2_bitmask.cpp: unstructured rows (RowsArgs::row_offsets) on AVX2 + FMA; x float32; a
 // table of ranks per bitmask byte places up to eight kept values; and their dense rows.
 void rows_bitmask_avx2(const RowsArgs& args);
 void decompress_bitmask_avx2(const DecompressArgs& args);
 
-// sparse24_avx512.cpp: AVX-512 F/BW/VL/VBMI2; x float32; masked expand-loads place the kept values
+// avx512.cpp: AVX-512 F/BW/VL/VBMI2; x float32; masked expand-loads place the kept values
 // (2:4 and unstructured rows; the dense rows of both).
 void rows_avx512(const RowsArgs& args);
 void decompress_avx512(const DecompressArgs& args);
 
-// sparse24_avx512_bf16.cpp: as rows_avx512 for bfloat16 x and weights, the products summed
+// avx512_bf16.cpp: as rows_avx512 for bfloat16 x and weights, the products summed
 // with AVX512_BF16's vdpbf16ps (32 inputs per instruction, float32 accumulators).
 void rows_avx512_bf16(const RowsArgs& args);
 
@@ -115,7 +115,7 @@ struct GemmArgs {
   int64_t n_end;
 };
 
-// sparse24_avx512_bf16_gemm.cpp (AVX-512 F/BW/VL/VBMI2 with BF16)
+// avx512_bf16_gemm.cpp (AVX-512 F/BW/VL/VBMI2 with BF16)
 void gemm_avx512_bf16(const GemmArgs& args);
 
-}  // namespace whisper_sparse24
+}  // namespace whisper_sparse

@@ -1,8 +1,9 @@
-"""vLLM plugin: serve compressed 2:4 checkpoints (``format``'s layout).
+"""vLLM plugin: serve compressed sparse checkpoints (``format``'s layouts).
 
-Installed as the ``vllm.general_plugins`` entry point ``whisper_modifiers_sparse24``; vLLM
-calls ``register`` in every process. It registers ``vllm_layers.Sparse24Config`` (which
-says what each 2:4 layer runs) under ``QUANT_METHOD``, folds vLLM's warning per weight
+Installed as the ``vllm.general_plugins`` entry point ``whisper_modifiers_sparse``; vLLM
+calls ``register`` in every process. It registers ``vllm_adapter.config.SparseConfig``
+(which says what each compressed layer runs) under ``QUANT_METHOD``, and under the name
+before unstructured layers (``LegacySparseConfig``), folds vLLM's warning per weight
 cast while loading (a float32 checkpoint served in bfloat16: one per tensor) into one
 line, and asks Linux for the AMX tile state on CPUs with AMX (``request_amx``).
 """
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from whisper_modifiers.sparse_serving.format import QUANT_METHOD
-from whisper_modifiers.sparse_serving.kernels import kernel_mode
+from whisper_modifiers.sparse_serving.mode import kernel_mode
 
 __all__ = ["CastNote", "register", "request_amx"]
 
@@ -61,12 +61,16 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    kernel_mode()  # a bad $WHISPER_MODIFIERS_SPARSE24 stops vLLM before any weight loads
+    kernel_mode()  # a bad $WHISPER_MODIFIERS_SPARSE stops vLLM before any weight loads
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from whisper_modifiers.sparse_serving.vllm_layers import Sparse24Config
+    from whisper_modifiers.sparse_serving.vllm_adapter.config import (
+        LegacySparseConfig,
+        SparseConfig,
+    )
 
-    register_quantization_config(QUANT_METHOD)(Sparse24Config)
+    for config in (SparseConfig, LegacySparseConfig):
+        register_quantization_config(config.get_name())(config)
     logging.getLogger(CAST_LOGGER).addFilter(CastNote())
     request_amx()
     _registered = True

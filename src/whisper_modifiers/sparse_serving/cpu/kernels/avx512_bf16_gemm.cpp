@@ -1,4 +1,4 @@
-// The 2:4 GEMM on AVX-512 with VBMI2 and BF16 (sparse24.h, GemmArgs), for batched decode and
+// The 2:4 GEMM on AVX-512 with VBMI2 and BF16 (sparse_kernels.h, GemmArgs), for batched decode and
 // prefill: y = x W^T multiplying only the kept values, half the products of a dense GEMM.
 //
 // In a 2:4 row the kept values of a group of four inputs are one 32-bit word of `compressed`,
@@ -29,7 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "sparse24.h"
+#include "sparse_kernels.h"
 
 #ifdef WS_EMULATE_INTRINSICS  // plain C++ intrinsics: the tests run this file on any CPU
 #include WS_EMULATE_INTRINSICS
@@ -39,7 +39,7 @@
 #define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16")))
 #endif
 
-namespace whisper_sparse24 {
+namespace whisper_sparse {
 namespace {
 
 constexpr int64_t kLanes = 16;            // rows per register
@@ -257,4 +257,4 @@ WS_TARGET void gemm_avx512_bf16(const GemmArgs& a) {
   }
 }
 
-}  // namespace whisper_sparse24
+}  // namespace whisper_sparse

@@ -1,35 +1,30 @@
 """2:4 layers that run cuSPARSELt's GEMM where their ``DispatchPlan`` says it is faster:
 ``Sparse24Linear`` (a drop-in ``nn.Linear``), fused q/k/v and gate/up groups, and
-``accelerate(model)`` which swaps them into a transformers model in place; and the
-serving-side kernel mode (``$WHISPER_MODIFIERS_SPARSE24``, ``kernel_mode``) with the GPU
-kernel the vLLM plugin uses (``serving_kernel``; the CPU's is ``cpu_linear``'s). The op
-is ``sparse_op``'s, the plans ``dispatch_plans``'.
+``accelerate(model)`` which swaps them into a transformers model in place; and the GPU
+kernel the vLLM plugin uses, by the serving kernel mode (``serving_kernel``, ``mode``; the
+CPU's is ``cpu.linear``'s). The op is ``gpu.sparse_op``'s, the plans ``gpu.dispatch_plans``'.
 
 Imports only torch (and this subpackage).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from whisper_modifiers.sparse_serving.dispatch_plans import DENSE_ONLY, DispatchPlan, plan_for
-from whisper_modifiers.sparse_serving.format import NotTwoFourError, check_two_four
-from whisper_modifiers.sparse_serving.sparse_op import (
+from whisper_modifiers.sparse_serving.format.two_four import NotTwoFourError, check_two_four
+from whisper_modifiers.sparse_serving.gpu.dispatch_plans import DENSE_ONLY, DispatchPlan, plan_for
+from whisper_modifiers.sparse_serving.gpu.sparse_op import (
     kernel_shape_ok,
     sparse24_linear,
     sparse_kernel_available,
 )
+from whisper_modifiers.sparse_serving.mode import kernel_mode
 
 __all__ = [
-    "KERNEL_MODES",
-    "KERNEL_MODE_VARIABLE",
     "FusedPart",
     "FusedSparse24Linear",
     "Sparse24Linear",
     "accelerate",
-    "kernel_mode",
     "serving_kernel",
 ]
 
@@ -91,22 +86,6 @@ class Sparse24Linear(torch.nn.Module):
             "dense" if self.compressed is None else f"sparse from {self.plan.sparse_from} tokens"
         )
         return f"in_features={self.in_features}, out_features={self.out_features}, {where}"
-
-
-KERNEL_MODE_VARIABLE = "WHISPER_MODIFIERS_SPARSE24"
-KERNEL_MODES = ("auto", "sparse", "dense")
-
-
-def kernel_mode() -> str:
-    """``$WHISPER_MODIFIERS_SPARSE24``: ``auto`` (default; on a GPU, cuSPARSELt where
-    measured faster and the dense weight below; on a CPU, the 2:4 CPU op on every layer
-    whose measured plan beat dense at one token, ``cpu_linear``), ``sparse`` (the
-    compressed weight alone, always run sparse) or ``dense`` (decompressed, no sparse
-    kernel)."""
-    mode = os.environ.get(KERNEL_MODE_VARIABLE, "auto").strip().lower() or "auto"
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"{KERNEL_MODE_VARIABLE}={mode!r} is not one of {', '.join(KERNEL_MODES)}")
-    return mode
 
 
 def serving_kernel(weight: torch.Tensor) -> Sparse24Linear | None:

@@ -7,7 +7,7 @@ compressed-tensors < 0.15 wrote for unstructured sparsity), per sparse Linear ``
 * ``NAME.compressed``: the kept values of every row, row after row, 1-D, in the weight's
   dtype (a row's values in input order);
 * ``NAME.bitmask``: which inputs are kept, one bit per input, eight to a byte, lowest bit
-  first (``format.pack_bits``), ``[out, ceil(in / 8)]`` uint8;
+  first (``bits.pack_bits``), ``[out, ceil(in / 8)]`` uint8;
 * ``NAME.row_offsets``: where each row's values start in ``compressed`` (the exclusive
   cumulative sum of the rows' counts), ``[out]`` int64;
 * ``NAME.shape``: ``[[out], [in]]``.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from whisper_modifiers.sparse_serving.format import (
+from whisper_modifiers.sparse_serving.format.bits import (
     CorruptCheckpointError,
     check_part_shapes,
     nonzero,
@@ -30,15 +30,14 @@ from whisper_modifiers.sparse_serving.format import (
 )
 
 __all__ = [
-    "BITMASK_FORMAT",
     "BITMASK_PARTS",
     "bitmask_bytes",
     "check_bitmask",
     "compress_bitmask",
     "decompress_bitmask",
+    "row_counts",
 ]
 
-BITMASK_FORMAT = "sparse-bitmask"
 BITMASK_PARTS = ("compressed", "bitmask", "row_offsets", "shape")
 _POPCOUNT = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=torch.int64)
 
@@ -46,6 +45,11 @@ _POPCOUNT = torch.tensor([bin(byte).count("1") for byte in range(256)], dtype=to
 def bitmask_bytes(rows: int, columns: int, kept: int, itemsize: int) -> int:
     """The bytes of a layer in this layout: its kept values, bitmask, offsets and shape."""
     return kept * itemsize + rows * (-(-columns // 8)) + rows * 8 + 2 * 8
+
+
+def row_counts(bitmask: torch.Tensor) -> torch.Tensor:
+    """How many values each row of ``bitmask`` keeps (int64, one per row)."""
+    return _POPCOUNT.to(bitmask.device)[bitmask.to(torch.int64)].sum(dim=1)
 
 
 def compress_bitmask(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,7 +81,7 @@ def check_bitmask(compressed, bitmask, row_offsets, shape, name: str = "weight")
         )
     if columns % 8 and rows and (bitmask[:, -1] >> (columns % 8)).any():
         raise CorruptCheckpointError(f"{name}.bitmask marks inputs past {columns}; corrupt")
-    counts = _POPCOUNT.to(bitmask.device)[bitmask.to(torch.int64)].sum(dim=1)
+    counts = row_counts(bitmask)
     starts = torch.cumsum(counts, 0) - counts
     if not torch.equal(row_offsets.to(torch.int64), starts.to(row_offsets.device)):
         row = int((row_offsets.to(torch.int64) != starts.to(row_offsets.device)).nonzero()[0])

@@ -19,53 +19,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "QUANT_METHOD",
-    "STOCK_LOADER_GUARD",
-    "CorruptCheckpointError",
-    "check_compressed",
-    "check_part_shapes",
-    "NotTwoFourError",
-    "check_two_four",
-    "compress_24",
-    "decompress_24",
-    "nonzero",
-    "pack_bits",
-    "unpack_bits",
-]
-
-# config.json's quantization_config.quant_method of a compressed 2:4 checkpoint: a name of
-# our own (transformers cannot re-register "compressed-tensors"), and the name of the
-# package whose plugin serves it, so stock vLLM's "Unknown quantization method" names it
-QUANT_METHOD = "whisper-modifiers-sparse24"
-
-# config.json's ``transformers_weights`` of a compressed 2:4 checkpoint. transformers skips a
-# quantization method it does not know (a warning) and would random-initialise every 2:4
-# Linear; this field (the name of the weights file transformers should read, which vLLM
-# ignores) is refused by stock transformers before any weight loads, with this text in
-# its ValueError. The quantizer that ``import whisper_modifiers`` registers removes it.
-STOCK_LOADER_GUARD = (
-    "this is a compressed 2:4 checkpoint of whisper-modifiers; to load it, run "
-    "`pip install whisper-modifiers` and `import whisper_modifiers` before from_pretrained "
-    "(stock transformers would load its 2:4 layers as random weights)"
+from whisper_modifiers.sparse_serving.format.bits import (
+    CorruptCheckpointError,
+    check_part_shapes,
+    nonzero,
+    pack_bits,
+    unpack_bits,
 )
 
-_BITS = 1 << torch.arange(8, dtype=torch.int32)  # bit i of a byte is column 8j + i
+__all__ = ["NotTwoFourError", "check_compressed", "check_two_four", "compress_24", "decompress_24"]
 
 
 class NotTwoFourError(ValueError):
     """A tensor that is not exactly 2:4 (or cannot be split into groups of four)."""
-
-
-class CorruptCheckpointError(ValueError):
-    """A stored 2:4 layer whose tensors disagree (a truncated or altered checkpoint)."""
-
-
-def nonzero(weight: torch.Tensor) -> torch.Tensor:
-    """``weight != 0``, for float8 too (compared on its bytes, ``-0.0`` counting as 0)."""
-    if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return (weight.view(torch.uint8) & 0x7F) != 0
-    return weight != 0
 
 
 def check_two_four(weight: torch.Tensor, name: str) -> None:
@@ -84,20 +50,6 @@ def check_two_four(weight: torch.Tensor, name: str) -> None:
             f"hold more than two nonzeros (first: row {int(rows[0])}, inputs "
             f"{4 * int(groups[0])}..{4 * int(groups[0]) + 3})"
         )
-
-
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """``[rows, columns]`` bool to ``[rows, ceil(columns / 8)]`` uint8, lowest bit first."""
-    rows, columns = mask.shape
-    padded = torch.zeros(rows, -(-columns // 8) * 8, dtype=torch.int32, device=mask.device)
-    padded[:, :columns] = mask.to(torch.int32)
-    return (padded.reshape(rows, -1, 8) * _BITS.to(mask.device)).sum(-1).to(torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, columns: int) -> torch.Tensor:
-    """The inverse of ``pack_bits``: ``[rows, columns]`` bool."""
-    bits = (packed.to(torch.int32).unsqueeze(-1) & _BITS.to(packed.device)) != 0
-    return bits.reshape(packed.shape[0], -1)[:, :columns]
 
 
 def compress_24(weight: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,26 +86,6 @@ def _nibble_table(high_marks: int | None) -> torch.Tensor:
 
 
 _FULL_BYTE, _LAST_HALF_BYTE = _nibble_table(None), _nibble_table(0)
-
-
-def check_part_shapes(name: str, shape, parts: dict, note: str = "",
-                      holdable: bool = True) -> None:  # fmt: skip
-    """Raise ``CorruptCheckpointError`` naming the first of a stored layer's ``parts``
-    (part -> ``(tensor, expected shape)``) whose shape is not the one the layer's ``shape``
-    needs (``note`` says what the layout needs of it), or the first part where the layout
-    cannot hold a layer of that ``shape`` at all (not ``holdable``); a bitmask that is not
-    uint8 too."""
-    rows, columns = int(shape[0]), int(shape[1])
-    for part, (tensor, expected) in parts.items():
-        if not holdable or tuple(tensor.shape) != tuple(expected):
-            raise CorruptCheckpointError(
-                f"{name}.{part} has shape {tuple(tensor.shape)}, but {name}.shape "
-                f"[{rows}, {columns}] needs {tuple(expected)}{note}; the checkpoint is "
-                "truncated or corrupt"
-            )
-    bitmask = parts.get("bitmask", (None,))[0]
-    if bitmask is not None and bitmask.dtype != torch.uint8:
-        raise CorruptCheckpointError(f"{name}.bitmask is {bitmask.dtype}, not uint8")
 
 
 def check_compressed(compressed, bitmask, shape, name: str = "weight") -> None:

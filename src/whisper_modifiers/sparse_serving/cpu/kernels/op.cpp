@@ -1,24 +1,24 @@
-// The torch ops over the kernels of sparse24.h, and their run-time dispatch from the CPU's flags.
+// The torch ops over the kernels of sparse_kernels.h, and their run-time dispatch from the CPU's flags.
 //
-//   whisper_sparse24_cpu::linear(x, compressed, bitmask, bias, in_features, gemm_from,
+//   whisper_sparse_cpu::linear(x, compressed, bitmask, bias, in_features, gemm_from,
 //                                tiled_from)
 //       y = x W^T (+ bias) for a 2:4 W as stored, by one of three paths chosen by the number of
 //       tokens M (the thresholds come from cpu_plans' measurements):
 //       * M < gemm_from (decode): the row kernels expand the kept values in registers;
 //       * gemm_from <= M < tiled_from, for bfloat16 x and W where the kernels are avx512_bf16:
-//         the 2:4 GEMM (sparse24_avx512_bf16_gemm.cpp), which multiplies the kept values
+//         the 2:4 GEMM (avx512_bf16_gemm.cpp), which multiplies the kept values
 //         only; elsewhere the row kernels;
 //       * M >= tiled_from: cache-sized tiles of W are expanded into a buffer and multiplied by
 //         ATen's dense GEMM (oneDNN; AMX where the CPU has it), in bfloat16 where the kernels
 //         are avx512_bf16, else in float32 (tile_dtype).
 //       The dense weight is never held whole.
-//   whisper_sparse24_cpu::bitmask_linear(x, values, bitmask, row_offsets, bias, in_features,
+//   whisper_sparse_cpu::bitmask_linear(x, values, bitmask, row_offsets, bias, in_features,
 //                                        tiled_from)
 //       the same for an unstructured W (bitmask_format's layout): the row kernels (their
 //       pointers advancing by each mask's popcount) below tiled_from, the tiles from it.
-//   whisper_sparse24_cpu::decompress(compressed, bitmask, in_features), and
+//   whisper_sparse_cpu::decompress(compressed, bitmask, in_features), and
 //   bitmask_decompress(values, bitmask, row_offsets, in_features): the dense W (tests).
-//   whisper_sparse24_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
+//   whisper_sparse_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
 //       "avx512", "avx2" or "none"), and a cap below them ("auto" undoes it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,9 +28,9 @@
 #include <atomic>
 #include <string>
 
-#include "sparse24.h"
+#include "sparse_kernels.h"
 
-namespace whisper_sparse24 {
+namespace whisper_sparse {
 namespace {
 
 enum Isa : int { kNone = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
@@ -290,9 +290,9 @@ at::Tensor bitmask_linear(const at::Tensor& x, const at::Tensor& values, const a
 }
 
 }  // namespace
-}  // namespace whisper_sparse24
+}  // namespace whisper_sparse
 
-TORCH_LIBRARY(whisper_sparse24_cpu, m) {
+TORCH_LIBRARY(whisper_sparse_cpu, m) {
   m.def("linear(Tensor x, Tensor compressed, Tensor bitmask, Tensor? bias, int in_features, "
         "int gemm_from, int tiled_from) -> Tensor");
   m.def("decompress(Tensor compressed, Tensor bitmask, int in_features) -> Tensor");
@@ -300,13 +300,13 @@ TORCH_LIBRARY(whisper_sparse24_cpu, m) {
         "int in_features, int tiled_from) -> Tensor");
   m.def("bitmask_decompress(Tensor values, Tensor bitmask, Tensor row_offsets, int in_features) "
         "-> Tensor");
-  m.def("isa", &whisper_sparse24::isa);
-  m.def("set_isa", &whisper_sparse24::set_isa);
+  m.def("isa", &whisper_sparse::isa);
+  m.def("set_isa", &whisper_sparse::set_isa);
 }
 
-TORCH_LIBRARY_IMPL(whisper_sparse24_cpu, CPU, m) {
-  m.impl("linear", &whisper_sparse24::linear);
-  m.impl("decompress", &whisper_sparse24::decompress);
-  m.impl("bitmask_linear", &whisper_sparse24::bitmask_linear);
-  m.impl("bitmask_decompress", &whisper_sparse24::bitmask_decompress);
+TORCH_LIBRARY_IMPL(whisper_sparse_cpu, CPU, m) {
+  m.impl("linear", &whisper_sparse::linear);
+  m.impl("decompress", &whisper_sparse::decompress);
+  m.impl("bitmask_linear", &whisper_sparse::bitmask_linear);
+  m.impl("bitmask_decompress", &whisper_sparse::bitmask_decompress);
 }

@@ -1,9 +1,9 @@
-// 2:4 rows on AVX-512 F/BW/VL/VBMI2 with float32 activations (sparse24.h): sixteen bits of
+// 2:4 rows on AVX-512 F/BW/VL/VBMI2 with float32 activations (sparse_kernels.h): sixteen bits of
 // the bitmask are the mask of one expand-load, which places the eight kept values of sixteen
 // inputs in their lanes (vexpandps for float32 weights, vpexpandw then a shift for bfloat16).
 #include <cstring>
 
-#include "sparse24.h"
+#include "sparse_kernels.h"
 
 #ifdef WS_EMULATE_INTRINSICS  // plain C++ intrinsics: the tests run this file on any CPU
 #include WS_EMULATE_INTRINSICS
@@ -13,7 +13,7 @@
 #define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
 #endif
 
-namespace whisper_sparse24 {
+namespace whisper_sparse {
 namespace {
 
 // `bits` (at most 32) bits of the bitmask from input k on: whole bytes, never past the row.
@@ -27,7 +27,7 @@ WS_TARGET inline uint32_t mask_bits(const uint8_t* row, int64_t k, int64_t bits)
 // ``offset`` on) and the sixteen bits of the bitmask that cover them (count <= 16, an
 // unstructured row's popcount; 8 for a whole group of sixteen inputs of a 2:4 row, loaded
 // without a mask). The values are loaded plainly and expanded
-// in registers: the expand-load from memory was slower on a Zen 5 EPYC (sparse24_avx512_bf16).
+// in registers: the expand-load from memory was slower on a Zen 5 EPYC (avx512_bf16.cpp).
 template <WeightType W, bool Whole = true>
 WS_TARGET inline __m512 expand16(const void* values, int64_t offset, __mmask16 mask,
                                  int64_t count = 8) {
@@ -50,7 +50,7 @@ WS_TARGET inline __m512 expand16(const void* values, int64_t offset, __mmask16 m
 template <WeightType W>
 constexpr int64_t kValueBytes = W == WeightType::f32 ? 4 : 2;
 
-// Software prefetch (as in sparse24_avx2.cpp: 2 R streams are more than the hardware
+// Software prefetch (as in avx2.cpp: 2 R streams are more than the hardware
 // prefetchers follow well): the line kPrefetchAhead bytes ahead, once per 64 bytes of a
 // row's kept values (every 32 inputs for float32, 64 for bfloat16).
 constexpr int64_t kPrefetchAhead = 1024;
@@ -201,4 +201,4 @@ void decompress_avx512(const DecompressArgs& args) {
   }
 }
 
-}  // namespace whisper_sparse24
+}  // namespace whisper_sparse

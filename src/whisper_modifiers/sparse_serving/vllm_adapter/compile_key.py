@@ -3,10 +3,10 @@
 vLLM keys its compiled graphs (``torch_compile_cache/<hash>``, and the AOT artifacts it
 loads without tracing again) by ``VllmConfig.compute_hash()``, which hashes the
 checkpoint's config but not this plugin's choices. Yet they change the graph: the kernel
-mode (``$WHISPER_MODIFIERS_SPARSE24``) decides whether a 2:4 layer calls the sparse op at
+mode (``$WHISPER_MODIFIERS_SPARSE``) decides whether a 2:4 layer calls the sparse op at
 all, and a layer's ``DispatchPlan`` numbers are arguments of that op, so constants of the
 compiled graph. A graph compiled in one mode and loaded in another crashed inside vLLM's
-compiled forward (``KeyError: 'sparse24_kernel'``). ``note_layer`` therefore records the
+compiled forward (``KeyError: 'sparse_kernel'``). ``note_layer`` therefore records the
 mode and every layer's plan in ``vllm_config.additional_config``, which ``compute_hash``
 includes: another mode or other plans give another key, the same ones the same key.
 

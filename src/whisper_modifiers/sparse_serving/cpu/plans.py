@@ -1,16 +1,18 @@
-"""Where the 2:4 CPU op pays off: a ``CpuPlan`` per layer shape and dtype, measured once per
-CPU, build of the op (its sources, torch, compiler), kernel set and thread count, and cached
-on disk (as ``dispatch_plans`` does for GPUs).
+"""Where the CPU op pays off: a ``CpuPlan`` per layer shape, dtype and layout (2:4, or
+unstructured at a density rounded to ``DENSITY_STEP``), measured once per CPU, build of the
+op (its sources, torch, compiler), kernel set and thread count, and cached on disk (as
+``gpu.dispatch_plans`` does for GPUs).
 
-On a random 2:4 weight of the layer's shape, at each ``TOKEN_LADDER`` count, the op's three
-paths are timed against each other and against the dense ``F.linear`` of the same weight:
-its row kernels, its 2:4 GEMM (``gemm_runs``: bfloat16 on ``avx512_bf16`` kernels) and
-its tiles (ATen's GEMM on expanded tiles). The plan runs each token count on the path that
-won there (``gemm_from``, ``tiled_from``; the tiles, which stand for ATen's GEMM and so
-for AMX where the CPU has it, must win by ``TILES_MARGIN``), and says whether the op beat
-dense at one token (``faster_at_decode``: where it lost, the ``auto`` kernel mode serves
-the layer dense, decompressed). The paths of a point are timed in turn, round after round,
-and each takes its median: noise on a shared machine then moves every path alike.
+On a random weight of the layer's shape and layout, at each ``TOKEN_LADDER`` count, the
+op's paths are timed against each other and against the dense ``F.linear`` of the same
+weight: its row kernels, its 2:4 GEMM (2:4 layers; ``gemm_runs``: bfloat16 on
+``avx512_bf16`` kernels) and its tiles (ATen's GEMM on expanded tiles). The plan runs
+each token count on the path that won there (``gemm_from``, ``tiled_from``; the tiles,
+which stand for ATen's GEMM and so for AMX where the CPU has it, must win by
+``TILES_MARGIN``), and says whether the op beat dense at one token (``faster_at_decode``:
+where it lost, the ``auto`` kernel mode serves the layer dense, decompressed). The paths
+of a point are timed in turn, round after round, and each takes its median: noise on a
+shared machine then moves every path alike.
 
 Imports only torch (and this subpackage).
 """
@@ -28,22 +30,34 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from whisper_modifiers.sparse_serving.cpu_build import loaded_build_key
-from whisper_modifiers.sparse_serving.cpu_op import (
+from whisper_modifiers.sparse_serving.cpu.build import loaded_build_key
+from whisper_modifiers.sparse_serving.cpu.op import (
     NO_TILES,
+    bitmask_cpu_linear,
     cpu_isa,
     gemm_runs,
     sparse24_cpu_linear,
 )
-from whisper_modifiers.sparse_serving.format import compress_24
+from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+from whisper_modifiers.sparse_serving.format.two_four import compress_24
 from whisper_modifiers.sparse_serving.paths import cache_dir, write_json_atomically
 
-__all__ = ["TOKEN_LADDER", "CpuPlan", "cpu_plan", "measure_cpu_plan", "plan_from_timings"]
+__all__ = [
+    "TOKEN_LADDER",
+    "CpuPlan",
+    "cpu_plan",
+    "measure_cpu_plan",
+    "plan_density",
+    "plan_from_timings",
+    "random_two_four",
+    "random_unstructured",
+]
 
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256)
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
 PLAN_VERSION = 2
+DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
 PATHS = ("rows", "gemm", "tiles")
 
 
@@ -86,6 +100,40 @@ def random_two_four(rows: int, columns: int, dtype: torch.dtype, seed: int = 0) 
     return (groups * keep).reshape(rows, columns)
 
 
+def random_unstructured(rows: int, columns: int, dtype: torch.dtype, density: float,
+                        seed: int = 0) -> torch.Tensor:  # fmt: skip
+    """A random weight keeping ``density`` of its values, anywhere (by a random score)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, columns, generator=generator).to(dtype)
+    return weight * (torch.rand(rows, columns, generator=generator) < density)
+
+
+def plan_density(density: float | None) -> float | None:
+    """An unstructured layer's density as its plan is measured (None: a 2:4 layer)."""
+    return None if density is None else round(round(density / DENSITY_STEP) * DENSITY_STEP, 2)
+
+
+def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
+              density: float | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """A random weight of the layout (2:4 where ``density`` is None, else unstructured at
+    ``density``) and, by path, ``run(x)`` of the op on it."""
+    thresholds = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
+    if density is None:
+        dense = random_two_four(out_features, in_features, dtype)
+        compressed, bitmask = compress_24(dense)
+        paths = [path for path in PATHS if path != "gemm" or gemm_runs(dtype, dtype)]
+        return dense, {path: lambda x, t=thresholds[path]: sparse24_cpu_linear(
+            x, compressed, bitmask, None, in_features, *t) for path in paths}  # fmt: skip
+    dense = random_unstructured(out_features, in_features, dtype, density)
+    values, bitmask, row_offsets = compress_bitmask(dense)
+    return dense, {
+        path: lambda x, t=thresholds[path][0]: bitmask_cpu_linear(
+            x, values, bitmask, row_offsets, None, in_features, t
+        )
+        for path in ("rows", "tiles")
+    }
+
+
 def _seconds(fns: dict) -> dict:
     """Median wall time of each of ``fns``, run in turn, round after round: at least 3
     rounds, and until each has had ``TIME_BUDGET`` seconds (at most 50 rounds)."""
@@ -102,22 +150,17 @@ def _seconds(fns: dict) -> dict:
 
 
 def measure_cpu_plan(out_features: int, in_features: int, dtype: torch.dtype,
-                     ladder=TOKEN_LADDER) -> tuple[CpuPlan, list[dict]]:  # fmt: skip
-    """Time the op's paths (the GEMM where it runs) and dense ``F.linear`` at each ladder
-    token count on a random 2:4 weight; the plan and the timings."""
-    dense = random_two_four(out_features, in_features, dtype)
-    compressed, bitmask = compress_24(dense)
-    thresholds = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
-    paths = [path for path in PATHS if path != "gemm" or gemm_runs(dtype, dtype)]
+                     ladder=TOKEN_LADDER, density: float | None = None,
+                     ) -> tuple[CpuPlan, list[dict]]:  # fmt: skip
+    """Time the op's paths (``_op_paths``) and dense ``F.linear`` at each ladder token count
+    on a random weight of the layout; the plan and the timings."""
+    dense, paths = _op_paths(out_features, in_features, dtype, density)
     timings = []
     with torch.no_grad():
         for tokens in ladder:
             x = torch.randn(tokens, in_features).to(dtype)
             fns = {"dense": lambda x=x: F.linear(x, dense)}
-            for path in paths:
-                tiled_from, gemm_from = thresholds[path]
-                fns[path] = lambda x=x, t=tiled_from, g=gemm_from: sparse24_cpu_linear(
-                    x, compressed, bitmask, None, in_features, t, g)  # fmt: skip
+            fns |= {path: lambda x=x, run=run: run(x) for path, run in paths.items()}
             seconds = _seconds(fns)
             timings.append({"tokens": tokens} | {f"{name}_s": s for name, s in seconds.items()})
     return plan_from_timings(timings), timings
@@ -170,24 +213,16 @@ def plan_cache_file() -> Path:
     return cache_dir() / "cpu_plans.json"
 
 
-def cpu_plan(out_features: int, in_features: int, dtype: torch.dtype) -> CpuPlan:
-    """The plan of a layer shape and dtype here: from memory, from the cache file, or
-    measured now (a few seconds for a 7B-sized layer) and added to the file."""
-    key = "|".join(
-        map(
-            str,
-            (
-                PLAN_VERSION,
-                _cpu_key(),
-                loaded_build_key(),
-                cpu_isa(),
-                torch.get_num_threads(),
-                dtype,
-                out_features,
-                in_features,
-            ),
-        )
-    )
+def cpu_plan(out_features: int, in_features: int, dtype: torch.dtype,
+             density: float | None = None) -> CpuPlan:  # fmt: skip
+    """The plan of a layer shape, dtype and layout (``density`` None: 2:4; else an
+    unstructured layer's, rounded by ``plan_density``) here: from memory, from the cache
+    file, or measured now (a few seconds for a 7B-sized layer) and added to the file."""
+    density = plan_density(density)
+    layout = "2:4" if density is None else f"unstructured {density}"
+    key = "|".join(map(str, (PLAN_VERSION, _cpu_key(), loaded_build_key(), cpu_isa(),
+                             torch.get_num_threads(), dtype, out_features, in_features,
+                             layout)))  # fmt: skip
     with _lock:
         if key in _known:
             return _known[key]
@@ -197,7 +232,7 @@ def cpu_plan(out_features: int, in_features: int, dtype: torch.dtype) -> CpuPlan
             fields = stored[key]["plan"]
             plan = CpuPlan(**{**fields, "speedups": tuple(map(tuple, fields["speedups"]))})
         else:
-            plan, timings = measure_cpu_plan(out_features, in_features, dtype)
+            plan, timings = measure_cpu_plan(out_features, in_features, dtype, density=density)
             stored = json.loads(path.read_text()) if path.is_file() else {}
             stored[key] = {"plan": asdict(plan), "timings": timings}
             write_json_atomically(path, stored)

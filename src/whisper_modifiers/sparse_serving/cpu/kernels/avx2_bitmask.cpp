@@ -1,4 +1,4 @@
-// Unstructured rows on AVX2 + FMA (sparse24.h, RowsArgs with row_offsets): each byte of the
+// Unstructured rows on AVX2 + FMA (sparse_kernels.h, RowsArgs with row_offsets): each byte of the
 // bitmask covers eight inputs, of which any number may be kept. The next eight values of the
 // row are loaded (float32, or bfloat16 widened to float32), vpermps puts the i-th of them in
 // the lane of the input the byte's i-th mark names (a 256-entry table of ranks), the lanes it
@@ -8,11 +8,11 @@
 
 #include <cstring>
 
-#include "sparse24.h"
+#include "sparse_kernels.h"
 
 #define WS_TARGET __attribute__((target("avx2,fma,popcnt")))
 
-namespace whisper_sparse24 {
+namespace whisper_sparse {
 namespace {
 
 struct RankTable {
@@ -164,4 +164,4 @@ void decompress_bitmask_avx2(const DecompressArgs& args) {
   }
 }
 
-}  // namespace whisper_sparse24
+}  // namespace whisper_sparse

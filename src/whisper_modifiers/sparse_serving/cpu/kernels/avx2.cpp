@@ -1,4 +1,4 @@
-// 2:4 rows on AVX2 + FMA (sparse24.h). AVX2 has no expand-load: each byte of the bitmask
+// 2:4 rows on AVX2 + FMA (sparse_kernels.h). AVX2 has no expand-load: each byte of the bitmask
 // covers eight inputs (two groups of four, four kept values), and a 256-entry table gives, per
 // byte, a vpshufb control that moves the kept values' bytes into the eight float32 lanes of
 // those inputs (a bfloat16 value into the high half of its lane: the float32 it is), zeroing
@@ -7,11 +7,11 @@
 
 #include <cstring>
 
-#include "sparse24.h"
+#include "sparse_kernels.h"
 
 #define WS_TARGET __attribute__((target("avx2,fma")))
 
-namespace whisper_sparse24 {
+namespace whisper_sparse {
 namespace {
 
 struct ExpandTable {
@@ -225,4 +225,4 @@ void decompress_avx2(const DecompressArgs& args) {
   }
 }
 
-}  // namespace whisper_sparse24
+}  // namespace whisper_sparse

@@ -1,4 +1,4 @@
-"""The 2:4 CPU kernels (``cpu_kernels/``) compiled on first use into the cache and loaded
+"""The 2:4 CPU kernels (``kernels/``) compiled on first use into the cache and loaded
 into torch: ``load_cpu_kernels()``.
 
 Built with the machine's C++ compiler against the installed torch's headers and libraries
@@ -37,12 +37,12 @@ __all__ = [
     "loaded_build_key",
 ]
 
-CPU_OP_NAMESPACE = "whisper_sparse24_cpu"
-SOURCE_DIR = Path(__file__).with_name("cpu_kernels")
-KERNEL_SOURCES = ("sparse24_avx2.cpp", "bitmask_avx2.cpp", "sparse24_avx512.cpp",
-                  "sparse24_avx512_bf16.cpp", "sparse24_avx512_bf16_gemm.cpp",
-                  "sparse24_op.cpp")  # fmt: skip
-HEADERS = ("sparse24.h",)
+CPU_OP_NAMESPACE = "whisper_sparse_cpu"
+SOURCE_DIR = Path(__file__).with_name("kernels")
+KERNEL_SOURCES = ("avx2.cpp", "avx2_bitmask.cpp", "avx512.cpp",
+                  "avx512_bf16.cpp", "avx512_bf16_gemm.cpp",
+                  "op.cpp")  # fmt: skip
+HEADERS = ("sparse_kernels.h",)
 LIBRARY = f"lib{CPU_OP_NAMESPACE}.so"
 BUILD_TIMEOUT = 600  # seconds for one source file
 
@@ -125,7 +125,7 @@ def loaded_build_key() -> str | None:
 
 @functools.cache
 def load_cpu_kernels() -> str | None:
-    """Build (once) and load the kernels into torch (``torch.ops.whisper_sparse24_cpu``);
+    """Build (once) and load the kernels into torch (``torch.ops.whisper_sparse_cpu``);
     None when they are loaded, else why not, in one line."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return f"no 2:4 CPU kernel for {platform.machine()} on {sys.platform} (x86-64 Linux only)"

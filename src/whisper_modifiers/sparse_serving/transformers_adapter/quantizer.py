@@ -1,16 +1,17 @@
-"""transformers support for compressed 2:4 checkpoints: after ``import whisper_modifiers``,
-``AutoModelForCausalLM.from_pretrained`` loads them.
+"""transformers support for compressed sparse checkpoints: after ``import
+whisper_modifiers``, ``AutoModelForCausalLM.from_pretrained`` loads them.
 
-``register`` adds a quantization config and an ``HfQuantizer`` under ``QUANT_METHOD``
-through transformers' own registry (``register_quantization_config``,
-``register_quantizer``). On a CPU where the 2:4 CPU op runs, an unquantized checkpoint's
-2:4 Linears become ``cpu_linear.CpuSparse24Linear`` modules, which load the stored
-``compressed`` / ``bitmask`` / ``shape`` tensors as their parameters and run the op:
-generation reads the compressed bytes, and ``save_pretrained`` writes the compressed
-layout again. Everywhere else the quantizer changes no module: its weight conversion turns
-the three tensors into the dense ``weight`` while transformers loads them
-(``format.decompress_24``), multiplied by its ``weight_scale`` in a W8A8 / FP8 chain, and
-the loaded model is an ordinary dense model (a quantized chain's activations are not
+``register`` adds a quantization config and an ``HfQuantizer`` under ``QUANT_METHODS``
+(the method's name, and its name before unstructured layers) through transformers' own
+registry (``register_quantization_config``, ``register_quantizer``). On a CPU where the CPU
+op runs, an unquantized checkpoint's compressed Linears become ``cpu.linear`` modules
+(``CpuSparse24Linear`` for 2:4 layers, ``CpuBitmaskLinear`` for unstructured ones), which
+load the stored tensors as their parameters and run the op: generation reads the
+compressed bytes, and ``save_pretrained`` writes the compressed layout again. Everywhere
+else the quantizer changes no module: its weight conversion turns the stored tensors into
+the dense ``weight`` while transformers loads them (``decompress_24``,
+``decompress_bitmask``), multiplied by its ``weight_scale`` in a W8A8 / FP8 chain, and the
+loaded model is an ordinary dense model (a quantized chain's activations are not
 fake-quantized: ``checkpoint.load_checkpoint`` gives compressed-tensors' quantized
 forward), which ``save_pretrained`` writes in the dense layout.
 """
@@ -28,39 +29,50 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from whisper_modifiers.sparse_serving.cpu_linear import CpuSparse24Linear, cpu_serving_refusal
-from whisper_modifiers.sparse_serving.format import (
-    QUANT_METHOD,
-    STOCK_LOADER_GUARD,
-    check_compressed,
-    decompress_24,
+from whisper_modifiers.sparse_serving.cpu.linear import (
+    CpuBitmaskLinear,
+    CpuSparse24Linear,
+    cpu_serving_refusal,
 )
-from whisper_modifiers.sparse_serving.kernels import kernel_mode
-from whisper_modifiers.sparse_serving.layout import (
+from whisper_modifiers.sparse_serving.format.bitmask import check_bitmask, decompress_bitmask
+from whisper_modifiers.sparse_serving.format.declaration import (
+    BITMASK_FORMAT,
+    QUANT_METHOD,
+    QUANT_METHODS,
+    STOCK_LOADER_GUARDS,
+    TWO_FOUR_FORMAT,
+)
+from whisper_modifiers.sparse_serving.format.layout import (
     add_loader_guard,
     dequantize,
     verify_compressed_layers,
 )
+from whisper_modifiers.sparse_serving.format.two_four import check_compressed, decompress_24
+from whisper_modifiers.sparse_serving.mode import kernel_mode
 
 __all__ = [
-    "Sparse24Decompress",
-    "Sparse24HfQuantizer",
-    "Sparse24TransformersConfig",
+    "SparseDecompress",
+    "SparseHfQuantizer",
+    "SparseTransformersConfig",
     "loading_dense",
     "register",
 ]
 
 logger = logging.getLogger(__name__)
+# the checkpoint tensors of a compressed layer that its dense ``weight`` is made of
+STORED_PARTS = ("compressed", "bitmask", "row_offsets", "shape", "weight_scale")
 
 
-class Sparse24TransformersConfig(QuantizationConfigMixin):
-    """``config.json``'s ``quantization_config`` of a compressed 2:4 checkpoint."""
+class SparseTransformersConfig(QuantizationConfigMixin):
+    """``config.json``'s ``quantization_config`` of a compressed sparse checkpoint
+    (``format.declaration``)."""
 
     def __init__(self, targets=None, format="sparse-24-bitmask", sparsity_structure="2:4",
-                 quantization_config=None, **kwargs):  # fmt: skip
+                 quantization_config=None, bitmask_targets=None, **kwargs):  # fmt: skip
         self.quant_method = QUANT_METHOD
         self.quantization_config = quantization_config  # of a W8A8 / FP8 chain
         self.targets = list(targets or [])
+        self.bitmask_targets = list(bitmask_targets or [])
         self.format = format
         self.sparsity_structure = sparsity_structure
         # the weights load dense: transformers then drops the quantization config, and
@@ -68,9 +80,9 @@ class Sparse24TransformersConfig(QuantizationConfigMixin):
         self.dequantize = True
 
 
-class Sparse24Decompress(ConversionOps):
-    """``compressed``, ``bitmask``, ``shape`` (and ``weight_scale`` of a quantized
-    chain) -> the dense, dequantized ``weight``."""
+class SparseDecompress(ConversionOps):
+    """``compressed``, ``bitmask``, ``shape`` (``row_offsets`` for an unstructured layer;
+    ``weight_scale`` of a quantized chain) -> the dense, dequantized ``weight``."""
 
     def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
         def first(key):
@@ -80,7 +92,11 @@ class Sparse24Decompress(ConversionOps):
         shape = first("shape").reshape(-1).tolist()
         scale = first("weight_scale") if input_dict.get("weight_scale") else None
         layer = (full_layer_name or "weight").removesuffix(".weight")
-        dense = decompress_24(first("compressed"), first("bitmask"), shape, layer)
+        if input_dict.get("row_offsets"):
+            dense = decompress_bitmask(first("compressed"), first("bitmask"),
+                                       first("row_offsets"), shape, layer)  # fmt: skip
+        else:
+            dense = decompress_24(first("compressed"), first("bitmask"), shape, layer)
         dense = dequantize(dense, scale)
         if model is not None and full_layer_name is not None:
             module, name = get_module_from_name(model, full_layer_name)
@@ -90,12 +106,13 @@ class Sparse24Decompress(ConversionOps):
         return {full_layer_name or "weight": dense}
 
 
-class Sparse24HfQuantizer(HfQuantizer):
-    """Loads a compressed 2:4 checkpoint: on a CPU, where the 2:4 CPU op runs
-    (``cpu_linear``), each 2:4 Linear of an unquantized checkpoint becomes a
-    ``CpuSparse24Linear`` that loads the stored tensors as they are; otherwise (a GPU, a
-    W8A8 / FP8 chain, float16, the ``dense`` kernel mode, ``loading_dense()``) the weights
-    load dense (``Sparse24Decompress``) into an ordinary model."""
+class SparseHfQuantizer(HfQuantizer):
+    """Loads a compressed sparse checkpoint: on a CPU, where the CPU op runs
+    (``cpu.linear``), each compressed Linear of an unquantized checkpoint becomes a
+    ``CpuSparse24Linear`` or ``CpuBitmaskLinear`` that loads the stored tensors as they
+    are; otherwise (a GPU, a W8A8 / FP8 chain, float16, the ``dense`` kernel mode,
+    ``loading_dense()``) the weights load dense (``SparseDecompress``) into an ordinary
+    model."""
 
     requires_calibration = False
 
@@ -106,26 +123,34 @@ class Sparse24HfQuantizer(HfQuantizer):
     def update_tp_plan(self, config):
         # the one hook that sees the model config before transformers resolves the
         # weight files: the guard against stock loaders is not a file name
-        if getattr(config, "transformers_weights", None) == STOCK_LOADER_GUARD:
+        if getattr(config, "transformers_weights", None) in STOCK_LOADER_GUARDS:
             delattr(config, "transformers_weights")
         return super().update_tp_plan(config)
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, device_map=None,
                                              dtype=None, **kwargs):  # fmt: skip
-        # every stored 2:4 layer is checked here, before loading: an error raised
-        # during transformers' weight conversion is only logged in its report
+        # every stored layer is checked here, before loading: an error raised during
+        # transformers' weight conversion is only logged in its report
         linears = {name: module for name, module in model.named_modules()
                    if isinstance(module, torch.nn.Linear)}  # fmt: skip
         expected = {name: tuple(module.weight.shape) for name, module in linears.items()}
-        layers = verify_compressed_layers(checkpoint_files or [], expected)
+        declared = self.quantization_config
+        layers = verify_compressed_layers(checkpoint_files or [], expected, {
+            **dict.fromkeys(declared.targets, TWO_FOUR_FORMAT),
+            **dict.fromkeys(declared.bitmask_targets, BITMASK_FORMAT)})  # fmt: skip
         if self._keeps_compressed(device_map, dtype or torch.get_default_dtype()):
-            for name in layers:
+            for name, stored in layers.items():
                 linear = linears[name]
                 parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child, CpuSparse24Linear(
-                    linear.out_features, linear.in_features, linear.bias is not None,
-                    linear.weight.dtype, linear.weight.device))  # fmt: skip
-            self.compressed_layers = layers
+                sizes = (linear.out_features, linear.in_features)
+                if stored.format == BITMASK_FORMAT:
+                    sizes += (stored.values,)
+                module = (CpuBitmaskLinear if stored.format == BITMASK_FORMAT
+                          else CpuSparse24Linear)  # fmt: skip
+                setattr(model.get_submodule(parent), child, module(
+                    *sizes, linear.bias is not None, linear.weight.dtype,
+                    linear.weight.device))  # fmt: skip
+            self.compressed_layers = list(layers)
         return model
 
     def _keeps_compressed(self, device_map, dtype: torch.dtype) -> bool:
@@ -136,15 +161,19 @@ class Sparse24HfQuantizer(HfQuantizer):
             return False
         refusal = cpu_serving_refusal("cpu", dtype)
         if refusal is not None and kernel_mode() != "dense":
-            logger.info("whisper-modifiers: 2:4 layers load decompressed to dense: %s", refusal)
+            logger.info("whisper-modifiers: compressed layers load dense: %s", refusal)
         return refusal is None
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.compressed_layers:
             for name in self.compressed_layers:  # the op reads the kept values by position
                 module = model.get_submodule(name)
-                check_compressed(module.compressed, module.bitmask,
-                                 (module.out_features, module.in_features), name)  # fmt: skip
+                shape = (module.out_features, module.in_features)
+                if isinstance(module, CpuBitmaskLinear):
+                    check_bitmask(module.compressed, module.bitmask, module.row_offsets, shape,
+                                  name)  # fmt: skip
+                else:
+                    check_compressed(module.compressed, module.bitmask, shape, name)
             _guard_saves(model)
             return model
         # the weights are dense now: nothing to redo when saving (save_pretrained would
@@ -153,7 +182,7 @@ class Sparse24HfQuantizer(HfQuantizer):
             conversion
             for conversion in getattr(model, "_weight_conversions", None) or []
             if not any(
-                isinstance(op, Sparse24Decompress) for op in getattr(conversion, "operations", [])
+                isinstance(op, SparseDecompress) for op in getattr(conversion, "operations", [])
             )  # fmt: skip
         ]
         return model
@@ -175,16 +204,16 @@ class Sparse24HfQuantizer(HfQuantizer):
             return []  # the stored tensors are the modules' parameters
         return [
             WeightConverter(
-                source_patterns=["compressed", "bitmask", "shape", "weight_scale"],
+                source_patterns=list(STORED_PARTS),
                 target_patterns="weight",
-                operations=[Sparse24Decompress()],
+                operations=[SparseDecompress()],
             )
         ]
 
 
 def _guard_saves(model) -> None:
     """``model.save_pretrained`` of a model kept compressed writes the stock-loader guard
-    into the saved ``config.json`` as whisper-prune does (``layout.add_loader_guard``):
+    into the saved ``config.json`` as whisper-prune does (``format.layout.add_loader_guard``):
     transformers drops ``transformers_weights`` from every config it saves."""
     save = model.save_pretrained
 
@@ -202,7 +231,7 @@ _dense_loading = False
 
 @contextlib.contextmanager
 def loading_dense():
-    """Within it, compressed 2:4 checkpoints load with dense weights wherever they load
+    """Within it, compressed checkpoints load with dense weights wherever they load
     (``checkpoint.load_checkpoint``: the weights as numbers, for comparisons)."""
     global _dense_loading
     previous, _dense_loading = _dense_loading, True
@@ -220,6 +249,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    register_quantization_config(QUANT_METHOD)(Sparse24TransformersConfig)
-    register_quantizer(QUANT_METHOD)(Sparse24HfQuantizer)
+    for name in QUANT_METHODS:
+        register_quantization_config(name)(SparseTransformersConfig)
+        register_quantizer(name)(SparseHfQuantizer)
     _registered = True

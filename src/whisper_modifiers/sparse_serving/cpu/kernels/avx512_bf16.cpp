@@ -1,5 +1,5 @@
 // 2:4 and unstructured rows on AVX-512 with VBMI2 and BF16, bfloat16 activations and weights
-// (sparse24.h): 32 bits of the bitmask are the mask of one vpexpandw, which places the kept
+// (sparse_kernels.h): 32 bits of the bitmask are the mask of one vpexpandw, which places the kept
 // values of 32 inputs in their lanes (16 in a 2:4 row; as many as the mask's popcount in an
 // unstructured one, whose pointer then advances by that count); vdpbf16ps then adds the 32
 // products into sixteen float32 lanes.
@@ -7,7 +7,7 @@
 // 1.35x slower at one token on a Zen 5 EPYC (27 against 37 GB/s of compressed weights).
 #include <cstring>
 
-#include "sparse24.h"
+#include "sparse_kernels.h"
 
 #ifdef WS_EMULATE_INTRINSICS  // plain C++ intrinsics: the tests run this file on any CPU
 #include WS_EMULATE_INTRINSICS
@@ -18,10 +18,10 @@
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,popcnt")))
 #endif
 
-namespace whisper_sparse24 {
+namespace whisper_sparse {
 namespace {
 
-// Software prefetch, as in sparse24_avx512.cpp: kPrefetchAhead bytes ahead in each row, and the
+// Software prefetch, as in avx512.cpp: kPrefetchAhead bytes ahead in each row, and the
 // same place in the rows of the next group (R rows on), so that a group starts on rows already
 // on their way from memory.
 constexpr int64_t kPrefetchAhead = 1024;
@@ -148,4 +148,4 @@ void rows_avx512_bf16(const RowsArgs& args) {
   }
 }
 
-}  // namespace whisper_sparse24
+}  // namespace whisper_sparse

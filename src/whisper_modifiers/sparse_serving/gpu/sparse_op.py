@@ -13,7 +13,7 @@ slice).
 The op is ``torch.ops.whisper_modifiers.sparse24_linear`` (a ``torch.library`` custom
 op, so ``torch.compile`` and vLLM's compiled graphs keep it whole). Which token counts run
 sparse, and with which cuSPARSELt algorithm, are its arguments (a ``DispatchPlan``'s
-numbers, ``dispatch_plans``); below the plan's threshold, or anywhere the sparse kernel
+numbers, ``gpu.dispatch_plans``); below the plan's threshold, or anywhere the sparse kernel
 cannot run, it is exactly ``F.linear`` with the dense weight.
 
 Imports only torch.

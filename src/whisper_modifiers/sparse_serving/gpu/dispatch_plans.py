@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from whisper_modifiers.sparse_serving.gpu.sparse_op import pad_rows, sparse_matmul
 from whisper_modifiers.sparse_serving.paths import cache_dir
-from whisper_modifiers.sparse_serving.sparse_op import pad_rows, sparse_matmul
 
 __all__ = [
     "DENSE_ONLY",

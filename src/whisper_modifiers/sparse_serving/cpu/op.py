@@ -1,11 +1,11 @@
 """The 2:4 CPU op: ``y = x Wᵀ (+ b)`` read from a layer's compressed tensors as stored
-(``format``: ``compressed`` ``[out, in / 2]``, ``bitmask`` ``[out, ceil(in / 8)]``), never
+(``format.two_four``: ``compressed`` ``[out, in / 2]``, ``bitmask`` ``[out, ceil(in / 8)]``), never
 holding the dense weight.
 
-``torch.ops.whisper_sparse24_cpu.linear`` (``cpu_kernels/sparse24_op.cpp``, built and
-loaded by ``cpu_build``) takes bfloat16 or float32 activations and weights, any number of
+``torch.ops.whisper_sparse_cpu.linear`` (``kernels/op.cpp``, built and
+loaded by ``cpu.build``) takes bfloat16 or float32 activations and weights, any number of
 tokens and any input size that is a multiple of 4, on one of three paths by the number of
-tokens (the thresholds are ``cpu_plans``' measurements):
+tokens (the thresholds are ``cpu.plans``' measurements):
 
 * below ``gemm_from`` (decode, memory-bound), its row kernels expand the kept values in
   registers: AVX-512 expands (VBMI2), with AVX512_BF16's dot product for bfloat16, or a
@@ -31,8 +31,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from whisper_modifiers.sparse_serving.cpu_build import CPU_OP_NAMESPACE, load_cpu_kernels
-from whisper_modifiers.sparse_serving.format import decompress_24
+from whisper_modifiers.sparse_serving.cpu.build import CPU_OP_NAMESPACE, load_cpu_kernels
+from whisper_modifiers.sparse_serving.format.two_four import decompress_24
 
 __all__ = [
     "CPU_ISAS",
@@ -57,7 +57,7 @@ NO_TILES = 1 << 62  # ``tiled_from`` that keeps every token count on the row ker
 
 @functools.cache
 def cpu_kernels_unavailable() -> str | None:
-    """None where the op runs here, else why not, in one line (``cpu_build``)."""
+    """None where the op runs here, else why not, in one line (``cpu.build``)."""
     reason = load_cpu_kernels()
     if reason is None:
         _register_fake()
@@ -135,7 +135,7 @@ def bitmask_cpu_linear(x: torch.Tensor, values: torch.Tensor, bitmask: torch.Ten
                        row_offsets: torch.Tensor, bias: torch.Tensor | None, in_features: int,
                        tiled_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the unstructured ``W`` stored as ``values`` / ``bitmask`` /
-    ``row_offsets`` (``bitmask_format``): the row kernels below ``tiled_from`` tokens, the
+    ``row_offsets`` (``format.bitmask``): the row kernels below ``tiled_from`` tokens, the
     tiles from it."""
     return _ops().bitmask_linear(x, values, bitmask, row_offsets, bias, in_features, tiled_from)
 
@@ -154,7 +154,7 @@ def decompress_cpu(compressed: torch.Tensor, bitmask: torch.Tensor, in_features:
 def reference_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
                      bias: torch.Tensor | None, in_features: int,
                      dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
-    """``format.decompress_24`` then ``F.linear``, in ``dtype`` (default: ``x``'s)."""
+    """``format.two_four.decompress_24`` then ``F.linear``, in ``dtype`` (default: ``x``'s)."""
     dtype = dtype or x.dtype
     weight = decompress_24(compressed, bitmask, (compressed.shape[0], in_features))
     return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))

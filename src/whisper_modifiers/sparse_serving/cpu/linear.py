@@ -1,0 +1,174 @@
+"""Linear layers that stay compressed on the CPU and run the CPU op (``cpu.op``) on the
+paths of their measured plan (``cpu.plans``): ``CpuSparse24Linear`` over a 2:4 layer's
+``compressed`` and ``bitmask`` tensors, ``CpuBitmaskLinear`` over an unstructured layer's
+``compressed`` values, ``bitmask`` and ``row_offsets``. The vLLM plugin holds one per
+compressed layer (``vllm_adapter.layers``), and transformers' loader puts one in place of
+each compressed ``nn.Linear`` (``transformers_adapter.quantizer``). ``cpu_serving_kernel``
+says whether a layer gets one here.
+
+Imports only torch (and this subpackage).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from whisper_modifiers.sparse_serving.cpu.op import (
+    CPU_KERNEL_DTYPES,
+    bitmask_cpu_linear,
+    cpu_kernels_unavailable,
+    sparse24_cpu_linear,
+)
+from whisper_modifiers.sparse_serving.cpu.plans import CpuPlan, cpu_plan
+from whisper_modifiers.sparse_serving.format.bitmask import check_bitmask
+from whisper_modifiers.sparse_serving.format.two_four import check_compressed
+from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, kernel_mode
+
+__all__ = ["CpuBitmaskLinear", "CpuSparse24Linear", "cpu_serving_kernel", "cpu_serving_refusal"]
+
+
+def _frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor.contiguous(), requires_grad=False)
+
+
+class _CpuCompressedLinear(torch.nn.Module):
+    """What both layouts' modules share: the checkpoint's ``shape`` (``[[out], [in]]``, kept
+    so that the module loads and saves as the checkpoint stores the layer), a bias, the
+    plan, and ``forward``."""
+
+    layout = ""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device,
+                 plan: CpuPlan | None):  # fmt: skip
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.shape = _frozen(torch.tensor([[out_features], [in_features]], device=device))
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
+        self.plan = plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.bias)
+
+    def plan_paths(self) -> CpuPlan:
+        """The measured plan of this shape, dtype and layout (``cpu.plans``), kept."""
+        self.plan = cpu_plan(self.out_features, self.in_features, self.compressed.dtype,
+                             self.density())  # fmt: skip
+        return self.plan
+
+    def density(self) -> float | None:
+        return None
+
+    def extra_repr(self) -> str:
+        paths = "paths not measured yet" if self.plan is None else self.plan.describe()
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"compressed {self.layout}, {paths}")  # fmt: skip
+
+
+class CpuSparse24Linear(_CpuCompressedLinear):
+    """A 2:4 Linear whose weight is its ``compressed`` values and ``bitmask``
+    (``format.two_four``'s layout, also the checkpoint's parameter names)."""
+
+    layout = "2:4"
+
+    def __init__(self, out_features: int, in_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None,
+                 plan: CpuPlan | None = None):  # fmt: skip
+        super().__init__(out_features, in_features, bias, dtype, device, plan)
+        self.compressed = _frozen(torch.empty(out_features, in_features // 2, dtype=dtype,
+                                              device=device))  # fmt: skip
+        self.bitmask = _frozen(torch.empty(out_features, -(-in_features // 8), dtype=torch.uint8,
+                                           device=device))  # fmt: skip
+
+    @classmethod
+    def from_compressed(cls, compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int,
+                        name: str = "weight", plan: CpuPlan | None = None):  # fmt: skip
+        """A module over loaded tensors, after ``check_compressed`` (the op reads the kept
+        values of 32 inputs at ``k / 2``: every group must mark exactly two)."""
+        check_compressed(compressed, bitmask, (compressed.shape[0], in_features), name)
+        module = cls(compressed.shape[0], in_features, dtype=compressed.dtype, device="meta",
+                     plan=plan)  # fmt: skip
+        module.compressed, module.bitmask = _frozen(compressed), _frozen(bitmask)
+        module.shape = _frozen(torch.tensor([[compressed.shape[0]], [in_features]]))
+        return module
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
+        plan = self.plan or self.plan_paths()
+        return sparse24_cpu_linear(x, self.compressed, self.bitmask, bias, self.in_features,
+                                   plan.tiled_from, plan.gemm_from)  # fmt: skip
+
+
+class CpuBitmaskLinear(_CpuCompressedLinear):
+    """An unstructured sparse Linear whose weight is its ``compressed`` values (1-D, row
+    after row), ``bitmask`` and ``row_offsets`` (``format.bitmask``'s layout, also the
+    checkpoint's parameter names); ``values`` is how many values it keeps."""
+
+    layout = "unstructured"
+
+    def __init__(self, out_features: int, in_features: int, values: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None,
+                 plan: CpuPlan | None = None):  # fmt: skip
+        super().__init__(out_features, in_features, bias, dtype, device, plan)
+        self.compressed = _frozen(torch.empty(values, dtype=dtype, device=device))
+        self.bitmask = _frozen(torch.empty(out_features, -(-in_features // 8), dtype=torch.uint8,
+                                           device=device))  # fmt: skip
+        self.row_offsets = _frozen(torch.empty(out_features, dtype=torch.int64, device=device))
+
+    @classmethod
+    def from_compressed(cls, values: torch.Tensor, bitmask: torch.Tensor,
+                        row_offsets: torch.Tensor, in_features: int, name: str = "weight",
+                        plan: CpuPlan | None = None):  # fmt: skip
+        """A module over loaded tensors, after ``check_bitmask`` (the op reads each row's
+        values from its offset, by the bitmask's popcounts)."""
+        rows = bitmask.shape[0]
+        check_bitmask(values, bitmask, row_offsets, (rows, in_features), name)
+        module = cls(rows, in_features, values.numel(), dtype=values.dtype, device="meta",
+                     plan=plan)  # fmt: skip
+        module.compressed, module.bitmask = _frozen(values), _frozen(bitmask)
+        module.row_offsets = _frozen(row_offsets.to(torch.int64))
+        module.shape = _frozen(torch.tensor([[rows], [in_features]]))
+        return module
+
+    def density(self) -> float:
+        return self.compressed.numel() / max(1, self.out_features * self.in_features)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
+        plan = self.plan or self.plan_paths()
+        return bitmask_cpu_linear(x, self.compressed, self.bitmask, self.row_offsets, bias,
+                                  self.in_features, plan.tiled_from)  # fmt: skip
+
+
+def cpu_serving_refusal(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why compressed layers of ``dtype`` on ``device`` are not run by the CPU op here (None
+    where they are, unless the plan says dense is faster; ``cpu_serving_kernel``)."""
+    if kernel_mode() == "dense":
+        return f"the kernel mode is dense (${KERNEL_MODE_VARIABLE})"
+    if torch.device(device).type != "cpu":
+        return f"the weights are on {torch.device(device).type}, not the CPU"
+    if dtype not in CPU_KERNEL_DTYPES:
+        return f"the CPU op takes float32 and bfloat16, not {str(dtype).split('.')[-1]}"
+    return cpu_kernels_unavailable()
+
+
+def cpu_serving_kernel(compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int,
+                       name: str = "weight", row_offsets: torch.Tensor | None = None,
+                       ) -> CpuSparse24Linear | CpuBitmaskLinear | None:  # fmt: skip
+    """The op's module for a loaded layer (2:4, or unstructured where ``row_offsets`` are
+    given), or None where the layer runs dense: the kernel mode is ``dense``, the op cannot
+    run here (``cpu_serving_refusal``), or, in the ``auto`` mode, the measured plan of its
+    shape and layout has the op slower than dense at one token. ``sparse`` runs the op
+    wherever it can."""
+    if cpu_serving_refusal(compressed.device, compressed.dtype) is not None:
+        return None
+    rows = bitmask.shape[0]
+    density = None if row_offsets is None else compressed.numel() / max(1, rows * in_features)
+    plan = cpu_plan(rows, in_features, compressed.dtype, density)
+    if kernel_mode() == "auto" and not plan.faster_at_decode:
+        return None
+    if row_offsets is None:
+        return CpuSparse24Linear.from_compressed(compressed, bitmask, in_features, name, plan)
+    return CpuBitmaskLinear.from_compressed(compressed, bitmask, row_offsets, in_features, name,
+                                            plan)  # fmt: skip
