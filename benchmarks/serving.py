@@ -191,7 +191,11 @@ def main(argv=None) -> int:
     runs = previous_runs(path) if path.is_file() else {}
     kind, name = cpu_kind()  # this run's recipes replace their rows of an earlier run here
     earlier = runs.get(name, {}).get("recipes", {})
-    runs[name] = {"kind": kind, "date": time.strftime("%Y-%m-%d"), "recipes": earlier | rows}
+    for recipe in earlier:  # rows this run keeps say when they were measured
+        earlier[recipe].setdefault("date", runs[name]["date"])
+    today = time.strftime("%Y-%m-%d")
+    rows = {recipe: row | {"date": today} for recipe, row in rows.items()}
+    runs[name] = {"kind": kind, "date": today, "recipes": earlier | rows}
     report = {
         "config": vars(args) | {"out": str(args.out), "model": str(source)},
         "source_bytes": checkpoint_bytes(source),
@@ -238,7 +242,8 @@ def markdown(report, args) -> str:
     ]
     for cpu, run in report["runs"].items():
         for recipe, r in run["recipes"].items():
-            lines.append(row_markdown(f"{cpu}, {run['date']}", recipe, r, report["source_bytes"]))
+            date = r.get("date", run["date"])  # each row's own, where it has one
+            lines.append(row_markdown(f"{cpu}, {date}", recipe, r, report["source_bytes"]))
             if "vllm_emulated_fp8" in r:
                 emulated = r["vllm_emulated_fp8"] | {"bytes": None}  # not written here
                 label = f"{recipe}, dense layout: vLLM's emulated FP8 alone"

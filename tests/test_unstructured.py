@@ -120,6 +120,19 @@ def test_a_compressed_save_reloads_bit_identical_to_the_dense_save(pruned, tmp_p
     assert all(torch.equal(resaved[k], reference[k]) for k in reference)
 
 
+def test_dense_kernel_mode_decompresses_at_load_bit_identical(pruned, monkeypatch):
+    """``WHISPER_MODIFIERS_SPARSE=dense`` (as on a GPU or a CPU without the op): every
+    bitmask layer becomes an ordinary Linear whose weight is the dense save's, bit for bit."""
+    compressed, dense, _ = pruned
+    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "dense")
+    plain = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
+    assert not any(isinstance(m, CpuBitmaskLinear) for m in plain.modules())
+    reference = load_checkpoint(dense).state_dict()
+    state = plain.state_dict()
+    assert state.keys() == reference.keys()
+    assert all(torch.equal(state[k], reference[k]) for k in reference)
+
+
 def test_stock_transformers_refuses_it_naming_the_package(pruned):
     stock = (
         "import sys; from transformers import AutoModelForCausalLM as M; "

@@ -218,7 +218,7 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     }
     expect(same, "decompress_avx512 unstructured", rows, columns, 0);
   }
-  for (int64_t tokens : {int64_t(1), int64_t(2), int64_t(5)}) {
+  for (int64_t tokens : {int64_t(1), int64_t(2), int64_t(5), int64_t(9), int64_t(14)}) {
     std::vector<float> x(tokens * columns), expected(tokens * rows, 0.0f);
     std::vector<uint16_t> x_bf16(tokens * columns);
     for (size_t i = 0; i < x.size(); ++i) {
