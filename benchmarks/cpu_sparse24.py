@@ -299,7 +299,10 @@ def plot_sparsity(payload: dict, path: Path) -> None:
                       markersize=11, color=line.get_color(), linestyle="none")  # fmt: skip
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xlabel("unstructured sparsity (stars: 2:4)")
-    axis.set_ylabel("dense time / op time\n(median over shapes)")
+    vllm = all(row.get("vllm_ratio") for entry in payload["sparsities"].values()
+               for rows in entry["shapes"].values() for row in rows)  # fmt: skip
+    against = "vLLM's dense GEMM" if vllm else "F.linear"
+    axis.set_ylabel(f"{against} time / op time\n(median over shapes)")
     axis.set_title(f"CPU op against dense, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
     axis.legend(fontsize=7, ncol=2)
     figure.tight_layout()
