@@ -415,6 +415,22 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
     assert not server.healthy()
 
 
+def test_openai_server_serves_an_unstructured_checkpoint(checkpoint, tokenizer, tmp_path):
+    """whisper-serve's server (vLLM's OpenAI server, the plugin loaded) on Whisper 50 %, the
+    bitmask layout: its greedy completion is transformers' on the same checkpoint."""
+    ckpt = checkpoint("whisper_50")
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    model = load_checkpoint(ckpt).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    expected = expected[0, len(ids) :]
+    with Server(ckpt, max_model_len=256, log=tmp_path / "server.log",
+                start_timeout=VLLM_TIMEOUT) as server:  # fmt: skip
+        answer = server.complete(PROMPTS[0], max_tokens=8)
+    assert answer["usage"]["completion_tokens"] == 8
+    assert answer["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
 def test_serve_small_example(tmp_path, monkeypatch, capsys, source_model):
     monkeypatch.setattr(sys, "argv", ["serve_small.py", str(tmp_path / "ckpt"), str(source_model)])
     namespace = runpy.run_path(str(REPO / "examples" / "serve_small.py"), run_name="__main__")
