@@ -54,6 +54,10 @@ from whisper_modifiers.serving.probe import (
 from whisper_modifiers.serving.worker_process import resident_workers, run_worker
 from whisper_modifiers.sparse_serving import QUANT_METHOD
 from whisper_modifiers.sparse_serving.cpu.linear import cpu_serving_refusal
+from whisper_modifiers.sparse_serving.format.declaration import (
+    LEGACY_QUANT_METHOD,
+    STOCK_LOADER_GUARDS,
+)
 
 try:
     serving_python()
@@ -477,6 +481,23 @@ def test_legacy_compressed_tensors_sparsity_is_served_through_the_plugin(
     ours = run_vllm(ckpt, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)["completions"]
     legacy_tokens = run_vllm(legacy, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)
     assert legacy_tokens["completions"] == ours
+
+
+def test_checkpoints_of_the_first_method_name_are_served(checkpoint, tokenizer, tmp_path):
+    """2:4 checkpoints written before unstructured layers said ``whisper-modifiers-sparse24``
+    (and the 2:4 guard text); the plugin registers that name too."""
+    ckpt = checkpoint("whisper_2of4")
+    first = tmp_path / "first"
+    shutil.copytree(ckpt, first)
+    config = json.loads((first / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = LEGACY_QUANT_METHOD
+    del config["quantization_config"]["bitmask_targets"]
+    config["transformers_weights"] = STOCK_LOADER_GUARDS[1]
+    (first / "config.json").write_text(json.dumps(config))
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    ours = run_vllm(ckpt, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)["completions"]
+    assert run_vllm(first, prompts=prompts, max_tokens=8,
+                    timeout=VLLM_TIMEOUT)["completions"] == ours  # fmt: skip
 
 
 def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
