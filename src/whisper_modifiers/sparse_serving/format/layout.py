@@ -40,6 +40,8 @@ __all__ = [
     "QUANTIZED_FORMATS",
     "StoredLayer",
     "add_loader_guard",
+    "check_stored",
+    "decompress_stored",
     "dequantize",
     "verify_compressed_layers",
     "weight_files",
@@ -61,6 +63,23 @@ class StoredLayer:
     format: str
     shape: tuple[int, int]
     values: int
+
+
+def check_stored(compressed, bitmask, row_offsets, shape, name: str = "weight") -> None:
+    """Check a stored layer in its layout: ``bitmask``'s where it has ``row_offsets``
+    (``check_bitmask``), else ``two_four``'s (``check_compressed``)."""
+    if row_offsets is None:
+        check_compressed(compressed, bitmask, shape, name)
+    else:
+        check_bitmask(compressed, bitmask, row_offsets, shape, name)
+
+
+def decompress_stored(compressed, bitmask, row_offsets, shape, name: str = "weight"):
+    """The dense ``[out, in]`` weight of a stored layer in its layout (``row_offsets`` None
+    for a 2:4 layer), checked first as ``check_stored`` checks it."""
+    if row_offsets is None:
+        return decompress_24(compressed, bitmask, shape, name)
+    return decompress_bitmask(compressed, bitmask, row_offsets, shape, name)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -117,10 +136,8 @@ def _verified(where: dict, name: str, expected) -> StoredLayer:
         )
     key = f"{name}.compressed"
     compressed = torch.empty(where[key].get_slice(key).get_shape(), device="meta")
-    if format == BITMASK_FORMAT:
-        check_bitmask(compressed, tensor("bitmask"), tensor("row_offsets"), shape, name)
-    else:
-        check_compressed(compressed, tensor("bitmask"), shape, name)
+    row_offsets = tensor("row_offsets") if format == BITMASK_FORMAT else None
+    check_stored(compressed, tensor("bitmask"), row_offsets, shape, name)
     return StoredLayer(format, (int(shape[0]), int(shape[1])), compressed.numel())
 
 
@@ -267,11 +284,9 @@ def write_dense_layout(source: str | Path, target: str | Path) -> Path:
         for key in [k for k in tensors if k.endswith(".compressed")]:
             name = key[: -len(".compressed")]
             shape = tensors.pop(f"{name}.shape").reshape(-1).tolist()
-            parts = (tensors.pop(key), tensors.pop(f"{name}.bitmask"))
-            if f"{name}.row_offsets" in tensors:
-                parts += (tensors.pop(f"{name}.row_offsets"),)
-            decompress = decompress_bitmask if len(parts) == 3 else decompress_24
-            tensors[f"{name}.weight"] = decompress(*parts, shape, name)
+            tensors[f"{name}.weight"] = decompress_stored(
+                tensors.pop(key), tensors.pop(f"{name}.bitmask"),
+                tensors.pop(f"{name}.row_offsets", None), shape, name)  # fmt: skip
         save_file(tensors, target / path.name, metadata=metadata or {"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, path.name))
     index = source / "model.safetensors.index.json"

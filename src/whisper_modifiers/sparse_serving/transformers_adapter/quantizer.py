@@ -9,8 +9,8 @@ op runs, an unquantized checkpoint's compressed Linears become ``cpu.linear`` mo
 load the stored tensors as their parameters and run the op: generation reads the
 compressed bytes, and ``save_pretrained`` writes the compressed layout again. Everywhere
 else the quantizer changes no module: its weight conversion turns the stored tensors into
-the dense ``weight`` while transformers loads them (``decompress_24``,
-``decompress_bitmask``), multiplied by its ``weight_scale`` in a W8A8 / FP8 chain, and the
+the dense ``weight`` while transformers loads them (``format.layout.decompress_stored``),
+multiplied by its ``weight_scale`` in a W8A8 / FP8 chain, and the
 loaded model is an ordinary dense model (a quantized chain's activations are not
 fake-quantized: ``checkpoint.load_checkpoint`` gives compressed-tensors' quantized
 forward), which ``save_pretrained`` writes in the dense layout.
@@ -34,7 +34,6 @@ from whisper_modifiers.sparse_serving.cpu.linear import (
     CpuSparse24Linear,
     cpu_serving_refusal,
 )
-from whisper_modifiers.sparse_serving.format.bitmask import check_bitmask, decompress_bitmask
 from whisper_modifiers.sparse_serving.format.declaration import (
     BITMASK_FORMAT,
     QUANT_METHOD,
@@ -44,10 +43,11 @@ from whisper_modifiers.sparse_serving.format.declaration import (
 )
 from whisper_modifiers.sparse_serving.format.layout import (
     add_loader_guard,
+    check_stored,
+    decompress_stored,
     dequantize,
     verify_compressed_layers,
 )
-from whisper_modifiers.sparse_serving.format.two_four import check_compressed, decompress_24
 from whisper_modifiers.sparse_serving.mode import kernel_mode
 
 __all__ = [
@@ -92,11 +92,9 @@ class SparseDecompress(ConversionOps):
         shape = first("shape").reshape(-1).tolist()
         scale = first("weight_scale") if input_dict.get("weight_scale") else None
         layer = (full_layer_name or "weight").removesuffix(".weight")
-        if input_dict.get("row_offsets"):
-            dense = decompress_bitmask(first("compressed"), first("bitmask"),
-                                       first("row_offsets"), shape, layer)  # fmt: skip
-        else:
-            dense = decompress_24(first("compressed"), first("bitmask"), shape, layer)
+        row_offsets = first("row_offsets") if input_dict.get("row_offsets") else None
+        dense = decompress_stored(first("compressed"), first("bitmask"), row_offsets, shape,
+                                  layer)  # fmt: skip
         dense = dequantize(dense, scale)
         if model is not None and full_layer_name is not None:
             module, name = get_module_from_name(model, full_layer_name)
@@ -168,12 +166,9 @@ class SparseHfQuantizer(HfQuantizer):
         if self.compressed_layers:
             for name in self.compressed_layers:  # the op reads the kept values by position
                 module = model.get_submodule(name)
-                shape = (module.out_features, module.in_features)
-                if isinstance(module, CpuBitmaskLinear):
-                    check_bitmask(module.compressed, module.bitmask, module.row_offsets, shape,
-                                  name)  # fmt: skip
-                else:
-                    check_compressed(module.compressed, module.bitmask, shape, name)
+                check_stored(module.compressed, module.bitmask,
+                             getattr(module, "row_offsets", None),
+                             (module.out_features, module.in_features), name)  # fmt: skip
             _guard_saves(model)
             return model
         # the weights are dense now: nothing to redo when saving (save_pretrained would

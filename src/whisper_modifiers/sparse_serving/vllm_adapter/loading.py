@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from whisper_modifiers.sparse_serving.format.bitmask import decompress_bitmask
 from whisper_modifiers.sparse_serving.format.bits import CorruptCheckpointError
 from whisper_modifiers.sparse_serving.format.declaration import BITMASK_FORMAT
-from whisper_modifiers.sparse_serving.format.two_four import decompress_24
+from whisper_modifiers.sparse_serving.format.layout import decompress_stored
 from whisper_modifiers.sparse_serving.vllm_adapter.bitmask_loading import (
     register_bitmask,
     take_bitmask,
@@ -142,10 +141,7 @@ def take_stored(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 def dense_of(stored, shape, name: str = "weight") -> torch.Tensor:
     """The dense weight (in the dtype it was stored in) of ``take_stored``'s tensors."""
-    compressed, bitmask, row_offsets = stored
-    if row_offsets is None:
-        return decompress_24(compressed, bitmask, shape, name)
-    return decompress_bitmask(compressed, bitmask, row_offsets, shape, name)
+    return decompress_stored(*stored, shape, name)
 
 
 def take_dense_weight(layer: torch.nn.Module) -> torch.Tensor:
