@@ -126,6 +126,21 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
     }
 
 
+def two_of_four_by_magnitude(model) -> list[str]:
+    """Every Linear of ``model`` but ``lm_head`` made 2:4 in place, keeping the largest two
+    of every four inputs (as compressed-tensors' 2:4 compressor did); their names."""
+    targets = []
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                groups = module.weight.reshape(module.weight.shape[0], -1, 4)
+                keep = torch.zeros_like(groups, dtype=torch.bool)
+                keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
+                module.weight.copy_((groups * keep).reshape(module.weight.shape))
+                targets.append(name)
+    return targets
+
+
 def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
     """stories260K as compressed-tensors < 0.15 wrote 2:4 models: its Linear weights made
     2:4 (largest two of four, as its compressor did), stored as ``.compressed`` /
@@ -136,15 +151,7 @@ def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
     from whisper_modifiers.sparse_serving.format.layout import write_compressed
 
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
-    targets = []
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name != "lm_head":
-                groups = module.weight.reshape(module.weight.shape[0], -1, 4)
-                keep = torch.zeros_like(groups, dtype=torch.bool)
-                keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
-                module.weight.copy_((groups * keep).reshape(module.weight.shape))
-                targets.append(name)
+    targets = two_of_four_by_magnitude(model)
     model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(MODEL_DIR / name, directory / name)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import CALIBRATION_TEXT, load_model
+from conftest import CALIBRATION_TEXT, load_model, two_of_four_by_magnitude
 from whisper_modifiers.data import (
     calibration_dataset,
     embedded_text,
@@ -186,15 +186,7 @@ def test_lm_eval_reads_a_compressed_checkpoint_through_whisper_lm_eval(tmp_path,
 
     checkpoint = tmp_path / "compressed"
     model = load_model()
-    with torch.no_grad():  # every decoder Linear 2:4 by magnitude
-        targets = [name for name, module in model.named_modules()
-                   if isinstance(module, torch.nn.Linear) and name != "lm_head"]  # fmt: skip
-        for name in targets:
-            weight = model.get_submodule(name).weight
-            groups = weight.reshape(weight.shape[0], -1, 4)
-            keep = torch.zeros_like(groups, dtype=torch.bool)
-            keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
-            weight.copy_((groups * keep).reshape(weight.shape))
+    targets = two_of_four_by_magnitude(model)  # every decoder Linear 2:4 by magnitude
     model.save_pretrained(checkpoint)
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(MODEL_DIR / name, checkpoint / name)

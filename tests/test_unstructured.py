@@ -16,7 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, dense_state_dict
+from conftest import (
+    CALIBRATION_TEXT,
+    HELDOUT_TEXT,
+    MODEL_DIR,
+    dense_state_dict,
+    two_of_four_by_magnitude,
+)
 from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear, cpu_serving_refusal
@@ -211,15 +217,7 @@ def test_checkpoints_declared_before_unstructured_layers_and_legacy_ones_load(pr
 
     first = tmp_path / "first-name"  # 2:4, as the plugin's first version declared it
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
-    names = []
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in name:
-                groups = module.weight.reshape(module.weight.shape[0], -1, 4)
-                keep = torch.zeros_like(groups, dtype=torch.bool)
-                keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
-                module.weight.copy_((groups * keep).reshape(module.weight.shape))
-                names.append(name)
+    names = two_of_four_by_magnitude(model)
     model.save_pretrained(first)
     write_compressed(first, names)
     config = json.loads((first / "config.json").read_text())
