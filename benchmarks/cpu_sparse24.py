@@ -241,13 +241,24 @@ def by_sparsity(payload: dict) -> dict[str, dict[int, list[float]]]:
     return table
 
 
+def baseline_name(payload: dict) -> str:
+    """What ``baseline_ratio`` compares with in every row of ``payload``."""
+    vllm = all(row.get("vllm_ratio") for entry in payload["sparsities"].values()
+               for rows in entry["shapes"].values() for row in rows)  # fmt: skip
+    return "vLLM's dense GEMM" if vllm else "dense F.linear"
+
+
+def bytes_ratio(payload: dict, sparsity: str) -> float:
+    """The compressed layout's weight bytes over dense at ``sparsity`` (its first shape's)."""
+    return next(iter(payload["sparsities"][sparsity]["shapes"].values()))[0]["op_bytes_ratio"]
+
+
 def sparsity_markdown(payload: dict) -> str:
     """The speed-against-sparsity summary (median and range over the shapes), then each
     sparsity's own table."""
-    vllm = any(row.get("vllm_ratio") for entry in payload["sparsities"].values()
-               for rows in entry["shapes"].values() for row in rows)  # fmt: skip
-    tokens = sorted({t for cells in by_sparsity(payload).values() for t in cells})
-    against = "vLLM's dense GEMM" if vllm else "dense `F.linear`"
+    table = by_sparsity(payload)
+    tokens = sorted({t for cells in table.values() for t in cells})
+    against = baseline_name(payload)
     lines = [f"# The CPU op against dense by sparsity ({payload['dtype']})", "",
              f"CPU: {payload['cpu']}", "",
              f"Each cell: dense time / op time against {against}, the median over the shapes "
@@ -257,12 +268,12 @@ def sparsity_markdown(payload: dict) -> str:
              "| sparsity | weight bytes | bytes bound | "
              + " | ".join(f"{t} tokens" for t in tokens) + " |",
              "|---|---:|---:|" + "---:|" * len(tokens)]  # fmt: skip
-    for sparsity, cells in by_sparsity(payload).items():
-        first = next(iter(payload["sparsities"][sparsity]["shapes"].values()))[0]
+    for sparsity, cells in table.items():
+        weight_bytes = bytes_ratio(payload, sparsity)
         ratios = [f"{statistics.median(cells[t]):.2f}× ({min(cells[t]):.2f}–{max(cells[t]):.2f})"
                   if t in cells else "-" for t in tokens]  # fmt: skip
-        lines.append(f"| {sparsity} | {first['op_bytes_ratio']:.3f}× | "
-                     f"{1 / first['op_bytes_ratio']:.2f}× | {' | '.join(ratios)} |")  # fmt: skip
+        lines.append(f"| {sparsity} | {weight_bytes:.3f}× | {1 / weight_bytes:.2f}× | "
+                     f"{' | '.join(ratios)} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     for sparsity, entry in payload["sparsities"].items():
         sub = payload | {"shapes": entry["shapes"]}
@@ -285,8 +296,7 @@ def plot_sparsity(payload: dict, path: Path) -> None:
     table = by_sparsity(payload)
     unstructured = sorted((float(s), s) for s in table if s != "2:4")
     figure, axis = plt.subplots(figsize=(7, 4.2))
-    bound = [1 / next(iter(payload["sparsities"][key]["shapes"].values()))[0]["op_bytes_ratio"]
-             for _, key in unstructured]  # fmt: skip
+    bound = [1 / bytes_ratio(payload, key) for _, key in unstructured]
     axis.plot([s for s, _ in unstructured], bound, color="black", linestyle="--",
               label="bytes bound")  # fmt: skip
     for tokens in sorted({t for cells in table.values() for t in cells}):
@@ -299,10 +309,7 @@ def plot_sparsity(payload: dict, path: Path) -> None:
                       markersize=11, color=line.get_color(), linestyle="none")  # fmt: skip
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xlabel("unstructured sparsity (stars: 2:4)")
-    vllm = all(row.get("vllm_ratio") for entry in payload["sparsities"].values()
-               for rows in entry["shapes"].values() for row in rows)  # fmt: skip
-    against = "vLLM's dense GEMM" if vllm else "F.linear"
-    axis.set_ylabel(f"{against} time / op time\n(median over shapes)")
+    axis.set_ylabel(f"{baseline_name(payload)} time / op time\n(median over shapes)")
     axis.set_title(f"CPU op against dense, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
     axis.legend(fontsize=7, ncol=2)
     figure.tight_layout()

@@ -151,8 +151,8 @@ def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout
             f"{len(experts)} MoE expert layers ({experts[0]}, ...) are stored dense, in "
             "the model's own fused experts format"
         )
-    two_four, unstructured = ([n for n in names if n not in experts]
-                              for names in (two_four, unstructured))  # fmt: skip
+    two_four, unstructured = ([n for n in layers if n not in experts]
+                              for layers in (two_four, unstructured))  # fmt: skip
     written = None
     if layout == "compressed" and (two_four or unstructured):
         written = write_compressed(directory, two_four, unstructured)

@@ -27,6 +27,11 @@ from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, kernel_m
 __all__ = ["CpuBitmaskLinear", "CpuSparse24Linear", "cpu_serving_kernel", "cpu_serving_refusal"]
 
 
+def _density(values: int, rows: int, columns: int) -> float:
+    """The share of a ``[rows, columns]`` weight that ``values`` kept values fill."""
+    return values / max(1, rows * columns)
+
+
 def _frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(tensor.contiguous(), requires_grad=False)
 
@@ -132,7 +137,7 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
         return module
 
     def density(self) -> float:
-        return self.compressed.numel() / max(1, self.out_features * self.in_features)
+        return _density(self.compressed.numel(), self.out_features, self.in_features)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
@@ -164,7 +169,7 @@ def cpu_serving_kernel(compressed: torch.Tensor, bitmask: torch.Tensor, in_featu
     if cpu_serving_refusal(compressed.device, compressed.dtype) is not None:
         return None
     rows = bitmask.shape[0]
-    density = None if row_offsets is None else compressed.numel() / max(1, rows * in_features)
+    density = None if row_offsets is None else _density(compressed.numel(), rows, in_features)
     plan = cpu_plan(rows, in_features, compressed.dtype, density)
     if kernel_mode() == "auto" and not plan.faster_at_decode:
         return None

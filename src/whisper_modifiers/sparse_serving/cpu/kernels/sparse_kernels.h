@@ -91,7 +91,8 @@ void rows_avx512(const RowsArgs& args);
 void decompress_avx512(const DecompressArgs& args);
 
 // avx512_bf16.cpp: as rows_avx512 for bfloat16 x and weights, the products summed
-// with AVX512_BF16's vdpbf16ps (32 inputs per instruction, float32 accumulators).
+// with AVX512_BF16's vdpbf16ps (32 inputs per instruction, float32 accumulators); unstructured
+// rows for more than 8 tokens expand each chunk of inputs once, into an L1 buffer.
 void rows_avx512_bf16(const RowsArgs& args);
 
 // The 2:4 GEMM, y = x W^T (+ bias), for bfloat16 x and weights, which multiplies the kept
