@@ -111,7 +111,7 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
-    runs = [lambda x, t, g, v=v, b=b, o=o: bitmask_cpu_linear(x, v, b, o, None, columns, t)
+    runs = [lambda x, t, g, v=v, b=b, o=o: bitmask_cpu_linear(x, v, b, o, None, columns, t, g)
             for v, b, o in stored]  # fmt: skip
     values, bitmask, offsets = stored[0]
     size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
@@ -134,7 +134,7 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     vllm_dense = [linear_for(weight) for weight in dense] if linear_for else []
     paths = {"op": (plan.tiled_from, plan.gemm_from), "rows": (NO_TILES, NO_TILES),
              "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}  # fmt: skip
-    gemm = sparsity == "2:4" and gemm_runs(dtype, dtype)
+    gemm = gemm_runs(dtype, dtype, columns)
     results = []
     with torch.no_grad():
         for count in tokens:
@@ -169,7 +169,7 @@ def markdown(payload: dict) -> str:
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
              f"CPU: {payload['cpu']}", "",
              "Ratio: dense time / op time (above 1: the op is faster); the op as served "
-             "(its measured plan picks row kernels, 2:4 GEMM or tiles). Each time is the "
+             "(its measured plan picks row kernels, GEMM or tiles). Each time is the "
              "median of rounds that run every side in turn. GiB/s: weight bytes read per "
              "second (compressed for the op); -: not measured (rows above "
              f"{payload['rows_up_to']} tokens; the GEMM where it does not run)."

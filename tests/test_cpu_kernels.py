@@ -215,6 +215,8 @@ def test_the_gemm_runs_bfloat16_on_avx512_bf16_only(isa):
     row kernels (the same bits as the rows path)."""
     expected = isa == "avx512_bf16"
     assert gemm_runs(torch.bfloat16, torch.bfloat16) is expected
+    assert gemm_runs(torch.bfloat16, torch.bfloat16, 1058) is expected
+    assert not gemm_runs(torch.bfloat16, torch.bfloat16, 37)  # the unstructured GEMM: even K
     assert not gemm_runs(torch.float32, torch.bfloat16)
     assert not gemm_runs(torch.float32, torch.float32)
 
@@ -241,7 +243,8 @@ def test_avx512_kernels_are_right_on_any_cpu(tmp_path):
     native = Path(__file__).with_name("native")
     sources = [native / "check_kernels.cpp", SOURCE_DIR / "avx512.cpp",
                SOURCE_DIR / "avx512_bf16.cpp",
-               SOURCE_DIR / "avx512_bf16_gemm.cpp"]  # fmt: skip
+               SOURCE_DIR / "avx512_bf16_gemm.cpp",
+               SOURCE_DIR / "avx512_bf16_bitmask_gemm.cpp"]  # fmt: skip
     command = [cpu_build._compiler(), "-O1", "-std=c++17", "-I", str(SOURCE_DIR), "-I",
                str(native), "-DWS_EMULATE_INTRINSICS=\"avx512_emulation.h\"",
                *map(str, sources), "-o", str(tmp_path / "check")]  # fmt: skip
@@ -297,7 +300,7 @@ def test_unstructured_layers_have_a_plan_per_density_step(tmp_path, monkeypatch)
 # ---- unstructured layers (bitmask_format): the same kernels, their pointers advancing by
 # each mask's popcount, and the tiles over rows decompressed from row offsets
 
-BITMASK_SHAPES = [(1, 1), (5, 12), (7, 37), (16, 64), (33, 100), (17, 4100), (9, 2049)]
+BITMASK_SHAPES = [(1, 1), (5, 12), (7, 37), (16, 64), (33, 100), (17, 4100), (9, 2049), (70, 1058)]
 
 
 def integer_sparse(rows: int, columns: int, sparsity: float, dtype, generator) -> torch.Tensor:
@@ -308,11 +311,13 @@ def integer_sparse(rows: int, columns: int, sparsity: float, dtype, generator) -
 
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 @pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("tiled", [False, True])
-def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, tiled):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
     """Every sparsity from none to all, inputs that are not a multiple of 8, 16 or 32, 1 to
-    17 tokens: the float64 reference rounded once (the tiles in bfloat16 where the 2:4 op's
-    are), bit for bit; and the op's own decompression is the format's."""
+    30 tokens, on each path (the GEMM where it runs: bfloat16 on ``avx512_bf16``, an even
+    input size; else the row kernels): the float64 reference rounded once (the tiles in
+    bfloat16 where the 2:4 op's are), bit for bit; and the op's own decompression is the
+    format's."""
     generator = torch.Generator().manual_seed(3)
     for rows, columns in BITMASK_SHAPES:
         for sparsity in (0.0, 0.5, 0.65, 1.0):
@@ -320,14 +325,15 @@ def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, tiled
             values, bitmask, row_offsets = compress_bitmask(weight)
             assert torch.equal(bitmask_decompress_cpu(values, bitmask, row_offsets, columns),
                                weight)  # fmt: skip
-            for tokens in (1, 2, 3, 5, 17):
+            for tokens in (1, 2, 3, 5, 17, 30):
                 x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
                 bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
-                bf16_tiles = tiled and weight_dtype == torch.bfloat16 and isa == "avx512_bf16"
+                bf16_tiles = (path == "tiles" and weight_dtype == torch.bfloat16
+                              and isa == "avx512_bf16")  # fmt: skip
                 exact_in = torch.bfloat16 if bf16_tiles else x_dtype
                 exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
                 got = bitmask_cpu_linear(x, values, bitmask, row_offsets, bias, columns,
-                                         0 if tiled else NO_TILES)  # fmt: skip
+                                         *PATHS[path])  # fmt: skip
                 assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns, tokens)
 
 
@@ -338,12 +344,13 @@ def test_bitmask_op_follows_the_reference_on_real_values(isa):
         weight[torch.rand(96, 1000, generator=generator) < sparsity] = 0
         weight = weight.to(torch.bfloat16)
         values, bitmask, row_offsets = compress_bitmask(weight)
-        for tokens in (1, 7, 300):
+        for tokens in (1, 7, 300, 4096):
             x = torch.randn(tokens, 1000, generator=generator).to(torch.bfloat16)
             reference = F.linear(x.double(), weight.double())
             scale = x.double().abs() @ weight.double().abs().t() + 1
-            for tiled_from in (NO_TILES, 64):
-                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000, tiled_from)
+            for tiled_from, gemm_from in PATHS.values():
+                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000, tiled_from,
+                                         gemm_from)  # fmt: skip
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + 2.0**-8 * reference.abs()).all(), tokens
 
@@ -360,18 +367,22 @@ def test_bitmask_op_refuses_bad_tensors():
         bitmask_cpu_linear(torch.randn(2, 60), values, bitmask, row_offsets, None, 64)
 
 
-def test_an_unstructured_plan_is_measured_on_rows_and_tiles():
-    """The plan of an unstructured layer times the row kernels and the tiles (there is no
-    unstructured GEMM) against dense, on a random weight of that density."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_unstructured_plan_is_measured_on_each_path_that_runs(dtype):
+    """The plan of an unstructured layer times the row kernels, the tiles and, where it runs
+    (``gemm_runs``), the unstructured GEMM against dense, on a random weight of that
+    density."""
     from whisper_modifiers.sparse_serving.cpu.plans import measure_cpu_plan, random_unstructured
 
-    weight = random_unstructured(64, 256, torch.float32, 0.35)
+    weight = random_unstructured(64, 256, dtype, 0.35)
     assert abs((weight != 0).float().mean().item() - 0.35) < 0.02
-    plan, timings = measure_cpu_plan(16, 64, torch.float32, ladder=(1, 4), density=0.35)
-    assert plan.gemm_from == NO_TILES
+    plan, timings = measure_cpu_plan(16, 64, dtype, ladder=(1, 4), density=0.35)
+    gemm = gemm_runs(dtype, dtype, 64)
     assert [t["tokens"] for t in timings] == [1, 4]
-    assert all({"dense_s", "rows_s", "tiles_s"} <= t.keys() and "gemm_s" not in t
+    assert all({"dense_s", "rows_s", "tiles_s"} <= t.keys() and ("gemm_s" in t) == gemm
                for t in timings)  # fmt: skip
+    if not gemm:
+        assert plan.gemm_from == NO_TILES
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

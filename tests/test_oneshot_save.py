@@ -181,6 +181,25 @@ def test_stock_modifiers_alone_save_what_llmcompressor_saves(tmp_path, calibrati
     assert not (out / RECORD_FILE).exists()
 
 
+def test_the_save_is_installed_through_on_finalize_not_a_patch(tmp_path, calibration,
+                                                                tokenizer):  # fmt: skip
+    """The save comes from our modifiers' own ``on_finalize`` (``finalize_hook``), with the
+    whole recipe's modifiers: llmcompressor's lifecycle is left as the library wrote it, and
+    a model our modifiers did not finalize keeps the save llmcompressor gave it."""
+    from llmcompressor.core.lifecycle import CompressionLifecycle
+
+    assert CompressionLifecycle.finalize.__module__ == "llmcompressor.core.lifecycle"
+    assert not hasattr(CompressionLifecycle.finalize, saving._INSTALLED)
+    recipe = [whisper_2of4(), QuantizationModifier(targets="Linear", scheme="W8A8",
+                                                   ignore=["lm_head"])]  # fmt: skip
+    model = run(recipe, calibration, tokenizer)
+    installed = getattr(model.save_pretrained, saving._INSTALLED)
+    assert [type(m) for m in installed["modifiers"]] == [WhisperModifier, QuantizationModifier]
+    stock = run([SparseGPTModifier(sparsity=0.5, mask_structure="2:4", targets=["Linear"],
+                                   ignore=["re:.*lm_head"])], calibration, tokenizer)  # fmt: skip
+    assert not hasattr(stock.save_pretrained, saving._INSTALLED)
+
+
 def test_a_failed_save_leaves_nothing_and_checks_come_first(tmp_path, calibration, tokenizer,
                                                            monkeypatch):  # fmt: skip
     model = run([whisper_2of4()], calibration, tokenizer)

@@ -11,9 +11,9 @@
   ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) are packed back into the
   family's fused experts for the save (``packed_experts``) and stay dense there.
   whisper-prune calls it inside its partial directory.
-* ``install_compressed_save``: installed when llmcompressor's lifecycle finalizes a recipe
-  with one of our pruning modifiers (``save_compressed_after``, which the package's
-  entry calls with ``modifiers.REGISTRY``'s classes). It wraps
+* ``install_compressed_save``: installed when one of our pruning modifiers finalizes
+  (llmcompressor's ``Modifier.on_finalize``, through ``modifiers.finalize_hook``, where
+  ``save_compressed_after``, which the package's entry calls, registers it). It wraps
   the model's ``save_pretrained`` (llmcompressor's own wrapper, which ``oneshot`` installs
   first) so that saving with ``save_compressed=True`` (llmcompressor's default) writes
   ``write_checkpoint``'s checkpoint into a locked partial directory renamed into place
@@ -38,6 +38,7 @@ import torch
 from loguru import logger
 
 from whisper_modifiers import checkpoint
+from whisper_modifiers.modifiers.finalize_hook import after_pruning_finalize
 from whisper_modifiers.modifiers.moe_routing import MOE_EXPERT
 from whisper_modifiers.output_dir import check_output_dir, partial_output
 from whisper_modifiers.sparse_serving.format.layout import write_compressed
@@ -242,28 +243,27 @@ def install_compressed_save(model, modifiers: list) -> None:
     model.save_pretrained = save_pretrained
 
 
-def save_compressed_after(pruners: tuple[type, ...]) -> None:
-    """From now on, when llmcompressor's lifecycle finalizes a recipe that holds one of
-    ``pruners`` (this package's pruning modifiers), ``install_compressed_save`` on its
-    model; a recipe of stock modifiers alone is left as it is. Installing again does
-    nothing."""
-    from llmcompressor.core.lifecycle import CompressionLifecycle
+def save_compressed_after() -> None:
+    """From now on, when one of this package's pruning modifiers finalizes (its
+    ``on_finalize``, through ``modifiers.finalize_hook``), ``install_compressed_save`` on its
+    model with the active recipe's modifiers; a recipe of stock modifiers alone is left as it
+    is. Registering again does nothing."""
+    after_pruning_finalize(_install_after_pruning)
 
-    finalize = CompressionLifecycle.finalize
-    if getattr(finalize, _INSTALLED, False):
+
+def _install_after_pruning(state, modifier) -> None:
+    """``finalize_hook``'s callback: the recipe being finalized is the active session's
+    (``modifier`` alone where it runs outside one)."""
+    model = getattr(state, "model", None)
+    if model is None:
         return
+    try:
+        from llmcompressor.core import active_session
 
-    @functools.wraps(finalize)
-    def finalize_then_install(lifecycle, **kwargs):
-        data = finalize(lifecycle, **kwargs)
-        modifiers = lifecycle.recipe.modifiers
-        model = lifecycle.state.model if lifecycle.state is not None else None
-        if model is not None and any(isinstance(modifier, pruners) for modifier in modifiers):
-            install_compressed_save(model, modifiers)
-        return data
-
-    setattr(finalize_then_install, _INSTALLED, True)
-    CompressionLifecycle.finalize = finalize_then_install
+        modifiers = list(active_session().lifecycle.recipe.modifiers)
+    except Exception:  # no session, or one without a recipe
+        modifiers = []
+    install_compressed_save(model, modifiers if modifier in modifiers else [modifier])
 
 
 def llmcompressor_save(model):

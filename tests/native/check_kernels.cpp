@@ -175,6 +175,33 @@ void check_gemm(const Layer& layer, std::mt19937& draw) {
   }
 }
 
+// bitmask_gemm_avx512_bf16 (an even K) for rows [begin, rows): y = bfloat16(x W^T + bias), rows
+// before `begin` untouched; x with a row stride wider than K and NaN between its rows.
+void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& expected,
+                        const std::vector<uint16_t>& kept_bf16, const std::vector<uint8_t>& bitmask,
+                        const std::vector<int64_t>& offsets, int64_t rows, int64_t columns,
+                        int64_t tokens, std::mt19937& draw) {
+  const int64_t ldx = columns + 4;
+  std::uniform_int_distribution<int> value(-3, 3);
+  std::vector<uint16_t> x_bf16(tokens * ldx, 0x7FC0);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < columns; ++k) x_bf16[t * ldx + k] = to_bf16(x[t * columns + k]);
+  std::vector<float> bias(rows);
+  for (auto& b : bias) b = float(value(draw));
+  for (int64_t begin : {int64_t(0), rows > 16 ? int64_t(16) : int64_t(0)}) {
+    std::vector<uint16_t> y(tokens * rows, 0xFFFF);
+    GemmArgs args{x_bf16.data(), ldx, kept_bf16.data(), bitmask.data(), bias.data(), y.data(),
+                  rows, tokens, columns, begin, rows, offsets.data(), int64_t(kept_bf16.size())};
+    bitmask_gemm_avx512_bf16(args);
+    bool same = true;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t n = 0; n < rows; ++n)
+        same &= y[t * rows + n] ==
+                (n < begin ? 0xFFFF : round_bf16(expected[t * rows + n] + bias[n]));
+    expect(same, "bitmask_gemm_avx512_bf16", rows, columns, tokens);
+  }
+}
+
 // Unstructured layers (RowsArgs::row_offsets): the AVX-512 row kernels and the dense rows,
 // any number kept per group, inputs not a multiple of 16 or 32.
 void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt19937& draw) {
@@ -218,7 +245,8 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     }
     expect(same, "decompress_avx512 unstructured", rows, columns, 0);
   }
-  for (int64_t tokens : {int64_t(1), int64_t(2), int64_t(5), int64_t(9), int64_t(14)}) {
+  for (int64_t tokens :
+       {int64_t(1), int64_t(2), int64_t(5), int64_t(9), int64_t(14), int64_t(29)}) {
     std::vector<float> x(tokens * columns), expected(tokens * rows, 0.0f);
     std::vector<uint16_t> x_bf16(tokens * columns);
     for (size_t i = 0; i < x.size(); ++i) {
@@ -250,6 +278,8 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     expect(y32 == expected, "rows_avx512 f32 unstructured", rows, columns, tokens);
     expect(y16 == expected, "rows_avx512 bf16 unstructured", rows, columns, tokens);
     expect(ydot == expected, "rows_avx512_bf16 unstructured", rows, columns, tokens);
+    if (columns % 2 == 0) check_bitmask_gemm(x, expected, kept_bf16, bitmask, offsets, rows,
+                                             columns, tokens, draw);
   }
 }
 
@@ -270,6 +300,8 @@ int main() {
     check_unstructured(9, 37, sparsity, draw);
     check_unstructured(13, 100, sparsity, draw);
     check_unstructured(5, 1031, sparsity, draw);
+    check_unstructured(70, 1058, sparsity, draw);  // a second block of rows; chunks and a tail
+    check_unstructured(130, 66, sparsity, draw);
   }
   std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
   return failures ? 1 : 0;

@@ -26,6 +26,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from whisper_modifiers.modifiers.calibration_statistics import CalibrationStatistics
 from whisper_modifiers.modifiers.causal_mask import watch_causal_masks
 from whisper_modifiers.modifiers.distributed import sequence_offset
+from whisper_modifiers.modifiers.finalize_hook import pruning_finalized
 from whisper_modifiers.modifiers.gamma_auto import GammaAuto
 from whisper_modifiers.modifiers.pairing import Pairing
 from whisper_modifiers.modifiers.targets import (
@@ -274,4 +275,6 @@ class DifferencePruningBase(SparsityModifierBase):
             self._pairs.release()  # keeps the routing skips
         self._statistics = CalibrationStatistics()
         self._difference_modules, self._sequences_seen, self._calibrated = set(), {}, set()
-        return super().on_finalize(state, **kwargs)
+        finalized = super().on_finalize(state, **kwargs)
+        pruning_finalized(state, self)  # what follows a pruning recipe (finalize_hook)
+        return finalized

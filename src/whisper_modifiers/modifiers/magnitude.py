@@ -15,6 +15,7 @@ from llmcompressor.modifiers.modifier import Modifier
 from loguru import logger
 from pydantic import Field, model_validator
 
+from whisper_modifiers.modifiers.finalize_hook import pruning_finalized
 from whisper_modifiers.modifiers.validation import (
     MaskStructure,
     NonFiniteError,
@@ -80,4 +81,8 @@ class OneShotMagnitudeModifier(Modifier):
                     module, "weight", prune_by_score(weight, scores, self.sparsity, n, m)
                 )
         logger.info(f"OneShotMagnitudeModifier pruned {len(modules)} Linear modules")
+        return True
+
+    def on_finalize(self, state: State, **kwargs) -> bool:
+        pruning_finalized(state, self)  # what follows a pruning recipe (finalize_hook)
         return True

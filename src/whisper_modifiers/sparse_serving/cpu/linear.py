@@ -143,7 +143,7 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
         plan = self.plan or self.plan_paths()
         return bitmask_cpu_linear(x, self.compressed, self.bitmask, self.row_offsets, bias,
-                                  self.in_features, plan.tiled_from)  # fmt: skip
+                                  self.in_features, plan.tiled_from, plan.gemm_from)  # fmt: skip
 
 
 def cpu_serving_refusal(device: torch.device | str, dtype: torch.dtype) -> str | None:

@@ -13,7 +13,9 @@ tokens (the thresholds are ``cpu.plans``' measurements):
 * from ``gemm_from`` (batched decode, prefill), for bfloat16 on ``avx512_bf16`` kernels
   (``gemm_runs``), its 2:4 GEMM multiplies the kept values only: per group of four
   inputs, ``vpermw`` picks the two inputs each row's two kept values belong to, then one
-  ``vdpbf16ps`` (half a dense GEMM's products);
+  ``vdpbf16ps`` (half a dense GEMM's products); an unstructured layer's GEMM expands a
+  block of rows once per call into ``vdpbf16ps``'s layout and runs every token over it
+  (a dense GEMM's products, from the compressed bytes);
 * from ``tiled_from``, it expands about 1 MiB of weight rows at a time and hands them to
   ATen's dense GEMM (oneDNN: AMX where the CPU has it).
 
@@ -90,7 +92,7 @@ def _register_fake() -> None:
         return compressed.new_empty(compressed.shape[0], in_features)
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_linear")
-    def _(x, values, bitmask, row_offsets, bias, in_features, tiled_from):
+    def _(x, values, bitmask, row_offsets, bias, in_features, gemm_from, tiled_from):
         return x.new_empty(*x.shape[:-1], bitmask.shape[0])
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_decompress")
@@ -115,11 +117,13 @@ def set_cpu_isa(name: str) -> None:
         _ops().set_isa(name)
 
 
-def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
-    """Whether the op's 2:4 GEMM runs ``x_dtype`` activations with ``weight_dtype``
-    weights here: bfloat16 both, on the ``avx512_bf16`` kernels (elsewhere the token counts
-    given to it run the row kernels)."""
-    return cpu_isa() == "avx512_bf16" and x_dtype == weight_dtype == torch.bfloat16
+def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype, in_features: int = 4) -> bool:
+    """Whether the op's GEMMs (2:4 and unstructured) run ``x_dtype`` activations with
+    ``weight_dtype`` weights of ``in_features`` inputs here: bfloat16 both, on the
+    ``avx512_bf16`` kernels, an even ``in_features`` (elsewhere the token counts given to
+    them run the row kernels)."""
+    return (cpu_isa() == "avx512_bf16" and x_dtype == weight_dtype == torch.bfloat16
+            and in_features % 2 == 0)  # fmt: skip
 
 
 def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
@@ -133,11 +137,14 @@ def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torc
 
 def bitmask_cpu_linear(x: torch.Tensor, values: torch.Tensor, bitmask: torch.Tensor,
                        row_offsets: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-                       tiled_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
+                       tiled_from: int = NO_TILES,
+                       gemm_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the unstructured ``W`` stored as ``values`` / ``bitmask`` /
-    ``row_offsets`` (``format.bitmask``): the row kernels below ``tiled_from`` tokens, the
-    tiles from it."""
-    return _ops().bitmask_linear(x, values, bitmask, row_offsets, bias, in_features, tiled_from)
+    ``row_offsets`` (``format.bitmask``): the row kernels below ``gemm_from`` tokens, the
+    unstructured GEMM from it (where it runs: ``gemm_runs``), the tiles from
+    ``tiled_from``."""
+    return _ops().bitmask_linear(x, values, bitmask, row_offsets, bias, in_features, gemm_from,
+                                 tiled_from)  # fmt: skip
 
 
 def bitmask_decompress_cpu(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor,

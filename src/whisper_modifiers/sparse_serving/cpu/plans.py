@@ -5,7 +5,7 @@ op (its sources, torch, compiler), kernel set and thread count, and cached on di
 
 On a random weight of the layer's shape and layout, at each ``TOKEN_LADDER`` count, the
 op's paths are timed against each other and against the dense ``F.linear`` of the same
-weight: its row kernels, its 2:4 GEMM (2:4 layers; ``gemm_runs``: bfloat16 on
+weight: its row kernels, its GEMM (2:4 or unstructured; ``gemm_runs``: bfloat16 on
 ``avx512_bf16`` kernels) and its tiles (ATen's GEMM on expanded tiles). The plan runs
 each token count on the path that won there (``gemm_from``, ``tiled_from``; the tiles,
 which stand for ATen's GEMM and so for AMX where the CPU has it, must win by
@@ -63,7 +63,7 @@ PATHS = ("rows", "gemm", "tiles")
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """The op's path by token count: the row kernels below ``gemm_from``, the 2:4 GEMM
+    """The op's path by token count: the row kernels below ``gemm_from``, the GEMM
     from it, the tiles from ``tiled_from`` (``NO_TILES``: never); ``faster_at_decode``:
     whether the op beat dense at one token; ``speedups``: dense time / op time at each
     measured token count, as ``(tokens, ratio)`` pairs (for the log)."""
@@ -118,20 +118,17 @@ def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
     """A random weight of the layout (2:4 where ``density`` is None, else unstructured at
     ``density``) and, by path, ``run(x)`` of the op on it."""
     thresholds = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
+    paths = [path for path in PATHS
+             if path != "gemm" or gemm_runs(dtype, dtype, in_features)]  # fmt: skip
     if density is None:
         dense = random_two_four(out_features, in_features, dtype)
         compressed, bitmask = compress_24(dense)
-        paths = [path for path in PATHS if path != "gemm" or gemm_runs(dtype, dtype)]
         return dense, {path: lambda x, t=thresholds[path]: sparse24_cpu_linear(
             x, compressed, bitmask, None, in_features, *t) for path in paths}  # fmt: skip
     dense = random_unstructured(out_features, in_features, dtype, density)
     values, bitmask, row_offsets = compress_bitmask(dense)
-    return dense, {
-        path: lambda x, t=thresholds[path][0]: bitmask_cpu_linear(
-            x, values, bitmask, row_offsets, None, in_features, t
-        )
-        for path in ("rows", "tiles")
-    }
+    return dense, {path: lambda x, t=thresholds[path]: bitmask_cpu_linear(
+        x, values, bitmask, row_offsets, None, in_features, *t) for path in paths}  # fmt: skip
 
 
 def _seconds(fns: dict) -> dict:

@@ -39,10 +39,11 @@
 #define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16")))
 #endif
 
+#include "avx512_bf16_gemm_blocks.h"
+
 namespace whisper_sparse {
 namespace {
 
-constexpr int64_t kLanes = 16;            // rows per register
 constexpr int64_t kBlockVectors = 4;      // registers of rows per block: 64 rows
 constexpr int64_t kBlockRows = kBlockVectors * kLanes;
 constexpr int64_t kBlockGroups = 512;     // groups of four inputs laid out at a time (2048)
@@ -83,30 +84,6 @@ struct Scratch {
 Scratch& scratch() {
   static thread_local Scratch buffers;
   return buffers;
-}
-
-// v[i] (16 lanes of 32 bits) becomes column i of the 16 x 16 matrix whose rows v held.
-WS_TARGET inline void transpose16(__m512 v[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 2; ++j) {
-      const __m512d a = _mm512_castps_pd(t[4 * i + j]), b = _mm512_castps_pd(t[4 * i + j + 2]);
-      v[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      v[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    }
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_f32x4(v[8 * i + j], v[8 * i + j + 4], 0x88);
-      t[8 * i + j + 4] = _mm512_shuffle_f32x4(v[8 * i + j], v[8 * i + j + 4], 0xDD);
-    }
-  for (int j = 0; j < 8; ++j) {
-    v[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-    v[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
-  }
 }
 
 // The picks of 16 groups of one row: its 8 bitmask bytes' nibbles, in order, looked up.
@@ -210,21 +187,6 @@ WS_TARGET void tokens_tiled(const __m512i* pairs, const __m512i* picks, const ui
   }
 }
 
-// y[t][n + r] = bfloat16(sums[t][r] + bias[n + r]) for the block's rows before n_end.
-WS_TARGET void store_block(const GemmArgs& a, const float* sums, int64_t n, int64_t t0,
-                           int64_t tokens) {
-  for (int64_t r = 0; r < kBlockRows && n + r < a.n_end; r += kLanes) {
-    const int64_t count = std::min<int64_t>(kLanes, a.n_end - n - r);
-    const __mmask16 rows = __mmask16((uint32_t(1) << count) - 1);
-    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(rows, a.bias + n + r) : _mm512_setzero_ps();
-    for (int64_t t = 0; t < tokens; ++t) {
-      const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(sums + t * kBlockRows + r), bias);
-      _mm256_mask_storeu_epi16(a.y + (t0 + t) * a.ldy + n + r, rows,
-                               (__m256i)_mm512_cvtneps_pbh(sum));
-    }
-  }
-}
-
 }  // namespace
 
 WS_TARGET void gemm_avx512_bf16(const GemmArgs& a) {
@@ -252,7 +214,7 @@ WS_TARGET void gemm_avx512_bf16(const GemmArgs& a) {
                             buffers.sums + 16 * v, tokens, first);
         }
       }
-      store_block(a, buffers.sums, n, t0, tokens);
+      store_block<kBlockRows>(a, buffers.sums, n, t0, tokens);
     }
   }
 }

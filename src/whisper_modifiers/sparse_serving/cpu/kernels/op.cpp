@@ -13,9 +13,11 @@
 //         are avx512_bf16, else in float32 (tile_dtype).
 //       The dense weight is never held whole.
 //   whisper_sparse_cpu::bitmask_linear(x, values, bitmask, row_offsets, bias, in_features,
-//                                        tiled_from)
+//                                        gemm_from, tiled_from)
 //       the same for an unstructured W (bitmask_format's layout): the row kernels (their
-//       pointers advancing by each mask's popcount) below tiled_from, the tiles from it.
+//       pointers advancing by each mask's popcount) below gemm_from, the unstructured GEMM
+//       (avx512_bf16_bitmask_gemm.cpp; bfloat16 on avx512_bf16 kernels, an even in_features)
+//       from it, the tiles from tiled_from.
 //   whisper_sparse_cpu::decompress(compressed, bitmask, in_features), and
 //   bitmask_decompress(values, bitmask, row_offsets, in_features): the dense W (tests).
 //   whisper_sparse_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
@@ -216,16 +218,18 @@ at::Tensor row_kernel_linear(const at::Tensor& x2, const at::Tensor& compressed,
   return y;
 }
 
-// Whether the 2:4 GEMM runs x of this dtype with these weights here.
-bool gemm_runs(const at::Tensor& x2, const at::Tensor& compressed) {
+// Whether the GEMMs (2:4 and unstructured) run x of this dtype with these weights here (the
+// unstructured one with an even in_features only).
+bool gemm_runs(const at::Tensor& x2, const at::Tensor& compressed, int64_t in_features) {
   return active_isa() == kAvx512Bf16 && x2.scalar_type() == at::kBFloat16 &&
-         compressed.scalar_type() == at::kBFloat16;
+         compressed.scalar_type() == at::kBFloat16 && in_features % 2 == 0;
 }
 
+// The 2:4 GEMM, or with row offsets the unstructured one.
 at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                       const at::Tensor& bitmask, const c10::optional<at::Tensor>& bias,
-                       int64_t in_features) {
-  const int64_t tokens = x2.size(0), rows = compressed.size(0);
+                       const at::Tensor& bitmask, const int64_t* offsets,
+                       const c10::optional<at::Tensor>& bias, int64_t in_features) {
+  const int64_t tokens = x2.size(0), rows = bitmask.size(0);
   const at::Tensor bias32 = bias.has_value() && bias->defined()
                                 ? bias->to(at::kFloat).contiguous()
                                 : at::Tensor();
@@ -233,13 +237,15 @@ at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
   GemmArgs args{static_cast<const uint16_t*>(x2.data_ptr()), in_features,
                 static_cast<const uint16_t*>(compressed.data_ptr()), bitmask.data_ptr<uint8_t>(),
                 bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-                static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0};
+                static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0,
+                offsets, compressed.numel()};
+  const auto kernel = offsets != nullptr ? bitmask_gemm_avx512_bf16 : gemm_avx512_bf16;
   // threads take whole groups of 16 rows (one register of rows)
   at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t first, int64_t last) {
     GemmArgs part = args;
     part.n_begin = first * 16;
     part.n_end = std::min(rows, last * 16);
-    gemm_avx512_bf16(part);
+    kernel(part);
   });
   return y;
 }
@@ -260,33 +266,38 @@ at::Tensor shaped_as(const at::Tensor& y, const at::Tensor& x, int64_t rows) {
   return y.to(x.scalar_type()).reshape(shape);
 }
 
+// y = x W^T (+ bias) on the path of x's number of tokens: the tiles from tiled_from, the GEMM
+// from gemm_from (where it runs), the row kernels below; offsets: an unstructured layer's.
+at::Tensor path_linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
+                       const int64_t* offsets, const c10::optional<at::Tensor>& bias,
+                       int64_t in_features, int64_t gemm_from, int64_t tiled_from) {
+  const at::Tensor x2 = rows_of(x, in_features);
+  at::Tensor y;
+  if (x2.size(0) >= tiled_from) {
+    y = tiled_linear(x2, compressed, bitmask, offsets, bias, in_features);
+  } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed, in_features)) {
+    y = gemm_linear(x2, compressed, bitmask, offsets, bias, in_features);
+  } else {
+    y = row_kernel_linear(x2, compressed, bitmask, offsets, bias, in_features);
+  }
+  return shaped_as(y, x, bitmask.size(0));
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
                   const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t gemm_from,
                   int64_t tiled_from) {
   check_layer(compressed, bitmask, in_features);
-  const at::Tensor x2 = rows_of(x, in_features);
-  at::Tensor y;
-  if (x2.size(0) >= tiled_from) {
-    y = tiled_linear(x2, compressed, bitmask, nullptr, bias, in_features);
-  } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed)) {
-    y = gemm_linear(x2, compressed, bitmask, bias, in_features);
-  } else {
-    y = row_kernel_linear(x2, compressed, bitmask, nullptr, bias, in_features);
-  }
-  return shaped_as(y, x, compressed.size(0));
+  return path_linear(x, compressed, bitmask, nullptr, bias, in_features, gemm_from, tiled_from);
 }
 
-// An unstructured layer (bitmask_format): the row kernels below tiled_from tokens, tiles from it.
+// An unstructured layer (bitmask_format): the row kernels below gemm_from tokens, the
+// unstructured GEMM from it (where it runs), the tiles from tiled_from.
 at::Tensor bitmask_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmask,
                           const at::Tensor& row_offsets, const c10::optional<at::Tensor>& bias,
-                          int64_t in_features, int64_t tiled_from) {
+                          int64_t in_features, int64_t gemm_from, int64_t tiled_from) {
   check_bitmask_layer(values, bitmask, row_offsets, in_features);
-  const at::Tensor x2 = rows_of(x, in_features);
-  const int64_t* offsets = row_offsets.data_ptr<int64_t>();
-  const at::Tensor y = x2.size(0) >= tiled_from
-                           ? tiled_linear(x2, values, bitmask, offsets, bias, in_features)
-                           : row_kernel_linear(x2, values, bitmask, offsets, bias, in_features);
-  return shaped_as(y, x, bitmask.size(0));
+  return path_linear(x, values, bitmask, row_offsets.data_ptr<int64_t>(), bias, in_features,
+                     gemm_from, tiled_from);
 }
 
 }  // namespace
@@ -297,7 +308,7 @@ TORCH_LIBRARY(whisper_sparse_cpu, m) {
         "int gemm_from, int tiled_from) -> Tensor");
   m.def("decompress(Tensor compressed, Tensor bitmask, int in_features) -> Tensor");
   m.def("bitmask_linear(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets, Tensor? bias, "
-        "int in_features, int tiled_from) -> Tensor");
+        "int in_features, int gemm_from, int tiled_from) -> Tensor");
   m.def("bitmask_decompress(Tensor values, Tensor bitmask, Tensor row_offsets, int in_features) "
         "-> Tensor");
   m.def("isa", &whisper_sparse::isa);

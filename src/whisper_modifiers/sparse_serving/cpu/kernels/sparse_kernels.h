@@ -5,9 +5,9 @@
 // so a kernel walks both tensors in step and expands the kept values in registers.
 //
 // One file per instruction set (each function carries its own target attribute, so no file is
-// compiled for a CPU it may not run on; AVX-512 BF16 has two: its row kernels and its 2:4
-// GEMM), this header, and op.cpp: the run-time dispatch from the CPU's flags and the
-// torch op. The pure-torch reference the tests compare them with is format.decompress_24
+// compiled for a CPU it may not run on; AVX-512 BF16 has three: its row kernels, its 2:4
+// GEMM and its unstructured GEMM), this header, and op.cpp: the run-time dispatch from the
+// CPU's flags and the torch op. The pure-torch reference the tests compare them with is format.decompress_24
 // followed by F.linear.
 #pragma once
 
@@ -114,9 +114,19 @@ struct GemmArgs {
   int64_t K;
   int64_t n_begin;
   int64_t n_end;
+  // An unstructured layer (bitmask_gemm_avx512_bf16 only): as in RowsArgs.
+  const int64_t* row_offsets = nullptr;
+  int64_t values_count = 0;
 };
 
 // avx512_bf16_gemm.cpp (AVX-512 F/BW/VL/VBMI2 with BF16)
 void gemm_avx512_bf16(const GemmArgs& args);
+
+// The unstructured GEMM (avx512_bf16_bitmask_gemm.cpp), for the same batches as the 2:4 GEMM:
+// a block of rows is expanded once per call (vpexpandw by each row's mask, its pointer advancing
+// by the mask's popcount) into the layout of vdpbf16ps (16 rows x 2 inputs per register), and a
+// register-blocked micro-kernel runs every token over it. An even K only (x is read two inputs at
+// a time).
+void bitmask_gemm_avx512_bf16(const GemmArgs& args);
 
 }  // namespace whisper_sparse
