@@ -52,6 +52,8 @@ from whisper_modifiers.sparse_serving.mode import KERNEL_MODES  # noqa: E402
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 ENGINE_TIMEOUT = 900  # seconds: start (compile and graph capture) and every workload
+# resident memory after load, as it is and after the process's freed heap pages went back
+RSS_FIELDS = ("rss_after_load", "rss_after_load_trimmed")
 
 
 def sparsity_label(sparsity: str) -> str:
@@ -151,7 +153,8 @@ def summary(entry: dict) -> dict:
     if failed is not None:
         return failed
     result = dict(rounds[0])
-    result["rss_after_load"] = statistics.median(r["rss_after_load"] or 0 for r in rounds)
+    for field in RSS_FIELDS:
+        result[field] = statistics.median(r.get(field) or 0 for r in rounds) or None
     result["workloads"] = {}
     for workload in rounds[0]["workloads"]:
         rates = [r["workloads"][workload]["tokens_per_s"] for r in rounds]
@@ -168,12 +171,11 @@ def with_ratios(results: dict) -> None:
         for workload, cell in result.get("workloads", {}).items():
             base = dense.get("workloads", {}).get(workload)
             cell["ratio"] = cell["tokens_per_s"] / base["tokens_per_s"] if base else None
-        weights = result.get("weights", {})
-        saved = None
-        if dense.get("rss_after_load") and result.get("rss_after_load") and weights.get(
-                "dense_bytes"):  # fmt: skip
-            saved = (dense["rss_after_load"] - result["rss_after_load"]) / weights["dense_bytes"]
-        result["rss_saved"] = saved
+        dense_bytes = result.get("weights", {}).get("dense_bytes")
+        for field, saved in zip(RSS_FIELDS, ("rss_saved", "rss_saved_trimmed"), strict=True):
+            result[saved] = ((dense[field] - result[field]) / dense_bytes
+                             if dense.get(field) and result.get(field) and dense_bytes
+                             else None)  # fmt: skip
 
 
 def write_report(out: Path, payload: dict) -> str:
@@ -201,11 +203,14 @@ def markdown(payload: dict) -> str:
         f"CPU: {payload.get('cpu', '?')}. Capture size 0 is vLLM's default "
         "`max_cudagraph_capture_size`. Ratios are tokens/s over dense at the same capture "
         "size; weights are what the compressed layers hold over their dense bytes; RSS saved is "
-        "dense's resident memory after load less this engine's, over those dense bytes.",
+        "dense's resident memory after load less this engine's, over those dense bytes; "
+        "trimmed: the same once each engine's freed heap pages went back to the OS "
+        "(`malloc_trim`, which the plugin calls after each compressed layer and dense vLLM "
+        "does not), the memory each really holds.",
         "",
         "| engine | capture | CUDA graphs ≤ / step ≤ (tokens) | weights | RSS after load "
-        "(GiB) | RSS saved | " + " | ".join(workloads) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(workloads),
+        "(GiB) | RSS saved | RSS saved, trimmed | " + " | ".join(workloads) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(workloads),
     ]
     for key, result in engines.items():
         label, capture = key.rsplit("@", 1)
@@ -228,7 +233,8 @@ def markdown(payload: dict) -> str:
                  f"{graphs['max_num_batched_tokens']}")  # fmt: skip
         rss = result.get("rss_after_load")
         rss = "–" if rss is None else f"{rss / 2**30:.2f}"
-        saved = "–" if result.get("rss_saved") is None else f"{result['rss_saved']:.2f}×"
+        saved = " | ".join("–" if result.get(key) is None else f"{result[key]:.2f}×"
+                           for key in ("rss_saved", "rss_saved_trimmed"))  # fmt: skip
         lines.append(f"| {label} | {capture} | {steps} | {weights} | {rss} | {saved} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     lines += profile_markdown(engines)

@@ -235,12 +235,14 @@ def test_workloads_count_the_tokens_they_time():
     assert (decode.prompt_len, decode.max_tokens, decode.counted_tokens) == (16, 256, 16384)
 
 
-def engine_result(tokens_per_s: float, rss_gib: float, dense_bytes: int = 0) -> dict:
+def engine_result(tokens_per_s: float, rss_gib: float, dense_bytes: int = 0,
+                  trimmed_gib: float | None = None) -> dict:  # fmt: skip
     return {"device": "H100", "weights": {"ratio": None, "packed_layers": 0,
                                           "dense_bytes": dense_bytes},
             "graphs": {"max_cudagraph_capture_size": 2048, "max_num_batched_tokens": 8192},
             "workloads": {"decode:2x8": {"tokens_per_s": tokens_per_s, "seconds": [0.16]}},
-            "profiles": {}, "rss_after_load": rss_gib * 2**30}  # fmt: skip
+            "profiles": {}, "rss_after_load": rss_gib * 2**30,
+            "rss_after_load_trimmed": trimmed_gib and trimmed_gib * 2**30}  # fmt: skip
 
 
 def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
@@ -264,13 +266,14 @@ def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
     assert list(results) == ["dense@2048"] and results["dense@2048"]["workloads"]["decode:2x8"][
         "ratio"] == 1.0  # fmt: skip
     table = (tmp_path / "vllm_speed.md").read_text()
-    assert "| dense | 2048 | 2048 / 8192 | – | 3.00 | – | 100 |" in table
+    assert "| dense | 2048 | 2048 / 8192 | – | 3.00 | – | – | 100 |" in table
 
 
 def test_vllm_speed_alternates_the_engines_and_takes_medians(tmp_path, monkeypatch):
     """Three rounds of dense then 2:4: each engine's tokens/s is the median of its rounds
     (one slow round does not move it), the ratio is of those medians, and the resident
-    memory saved is counted against the 2:4 layers' dense weight bytes."""
+    memory saved, as it is and with both engines' freed heap pages returned, is counted
+    against the 2:4 layers' dense weight bytes."""
     import vllm_speed
 
     order, rates = [], {"dense": iter([100.0, 60.0, 110.0]), "2:4": iter([150.0, 160.0, 90.0])}
@@ -278,7 +281,9 @@ def test_vllm_speed_alternates_the_engines_and_takes_medians(tmp_path, monkeypat
     def run_engine(command, out, timeout):
         label = command[command.index("--label") + 1].split()[0]
         order.append(label)
-        return engine_result(next(rates[label]), 3.0 if label == "dense" else 2.5, 2**30)
+        dense = label == "dense"
+        return engine_result(next(rates[label]), 3.0 if dense else 2.5, 2**30,
+                             2.75 if dense else 2.5)  # fmt: skip
 
     monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
     argv = ["--shape", "tiny", "--layers", "1", "--modes", "sparse", "--workloads",
@@ -289,6 +294,8 @@ def test_vllm_speed_alternates_the_engines_and_takes_medians(tmp_path, monkeypat
     cell = results["2:4 sparse@0"]["workloads"]["decode:2x8"]
     assert cell["tokens_per_s"] == 150.0 and cell["ratio"] == 1.5
     assert results["2:4 sparse@0"]["rss_saved"] == 0.5
+    assert results["2:4 sparse@0"]["rss_saved_trimmed"] == 0.25
+    assert "| 2.50 | 0.50× | 0.25× | 150 (1.50×) |" in (tmp_path / "vllm_speed.md").read_text()
 
 
 def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):

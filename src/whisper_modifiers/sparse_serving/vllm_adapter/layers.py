@@ -22,6 +22,7 @@ from whisper_modifiers.sparse_serving.cpu.int8 import ExactInt8Linear, wants_exa
 from whisper_modifiers.sparse_serving.cpu.linear import cpu_serving_kernel, cpu_serving_refusal
 from whisper_modifiers.sparse_serving.format.declaration import TWO_FOUR_FORMAT
 from whisper_modifiers.sparse_serving.gpu.kernels import serving_kernel
+from whisper_modifiers.sparse_serving.heap import release_freed_heap
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, kernel_mode
 from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import note_layer
 from whisper_modifiers.sparse_serving.vllm_adapter.loading import (
@@ -67,6 +68,10 @@ class SparseLinearMethod(UnquantizedLinearMethod):
                             weight_loader, extra_weight_attrs)  # fmt: skip
 
     def process_weights_after_loading(self, layer) -> None:
+        self._process_weights(layer)
+        release_freed_heap()  # the processing's temporaries (heap.py)
+
+    def _process_weights(self, layer) -> None:
         rows, columns = layer.sparse_dense_shape
         stored = take_stored(layer)
         setattr(layer, DENSE_BYTES_ATTRIBUTE, rows * columns * stored[0].element_size())
@@ -157,6 +162,10 @@ class QuantizedChainLinearMethod(LinearMethodBase):
                             extra_weight_attrs["weight_loader"], extra)  # fmt: skip
 
     def process_weights_after_loading(self, layer) -> None:
+        self._process_weights(layer)
+        release_freed_heap()  # the processing's temporaries (heap.py)
+
+    def _process_weights(self, layer) -> None:
         if self.format is not None:
             weight = take_dense_weight(layer)
             try:  # vLLM's parameter class for it, as the scheme created it

@@ -48,11 +48,11 @@ namespace {
 
 constexpr int64_t kBlockVectors = 4;    // registers of rows per block: 64 rows
 constexpr int64_t kBlockRows = kBlockVectors * kLanes;
-constexpr int64_t kBlockPairs = 256;    // pairs of inputs laid out at a time (1024 inputs)
-constexpr int64_t kTokensPerPass = 256; // tokens whose sums a block holds (128 KiB)
+constexpr int64_t kBlockPairs = 256;    // pairs of inputs laid out at a time (512 inputs)
+constexpr int64_t kTokensPerPass = 256; // tokens whose sums a block holds (64 KiB)
 constexpr int64_t kPanel = 64;          // pairs per micro-kernel call (16 KiB of weights)
-constexpr int kTile = 12;                // tokens per micro-kernel call
-constexpr int64_t kPrefetchAhead = 128; // values ahead in each row's kept values (512 bytes)
+constexpr int kTile = 12;               // tokens per micro-kernel call
+constexpr int64_t kPrefetchAhead = 128; // values ahead in each row's kept values (256 bytes)
 
 // Per-thread buffers, allocated once: a block's layout and its sums, and where each of its
 // rows' next kept value is.
