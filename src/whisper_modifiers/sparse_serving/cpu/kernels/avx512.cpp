@@ -16,13 +16,6 @@
 namespace whisper_sparse {
 namespace {
 
-// `bits` (at most 32) bits of the bitmask from input k on: whole bytes, never past the row.
-WS_TARGET inline uint32_t mask_bits(const uint8_t* row, int64_t k, int64_t bits) {
-  uint32_t mask = 0;
-  std::memcpy(&mask, row + k / 8, (bits + 7) / 8);
-  return bits >= 32 ? mask : mask & ((uint32_t(1) << bits) - 1);
-}
-
 // Sixteen dense weights, as float32, from the `count` kept values at ``values`` (element
 // ``offset`` on) and the sixteen bits of the bitmask that cover them (count <= 16, an
 // unstructured row's popcount; 8 for a whole group of sixteen inputs of a 2:4 row, loaded

@@ -41,7 +41,7 @@
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,popcnt")))
 #endif
 
-#include "avx512_bf16_gemm_blocks.h"
+#include "avx512_bf16_parts.h"
 
 namespace whisper_sparse {
 namespace {
@@ -74,25 +74,15 @@ Scratch& scratch() {
   return buffers;
 }
 
-// The 32 inputs of a row from input k whose mask bits mark its next kept values at `values`
-// (advanced past them). The values are loaded 32 at a time without a mask where 32 lie inside
-// the layer's (vpexpandw takes only the first popcount); near its end, exactly popcount.
+// The 32 inputs of a row from input k (`inputs` of them before the layer's last) whose mask
+// bits mark its next kept values at `values`, advanced past them (expand32).
 WS_TARGET inline __m512i expand_next(const uint8_t* mask_row, int64_t k, int64_t inputs,
                                      const uint16_t*& values, const uint16_t* end) {
-  uint32_t mask = 0;
-  if (inputs == 32) {
-    std::memcpy(&mask, mask_row + k / 8, sizeof(mask));
-  } else {  // the layer's last inputs: only their bytes
-    std::memcpy(&mask, mask_row + k / 8, (inputs + 7) / 8);
-    mask &= (uint32_t(1) << inputs) - 1;
-  }
+  const uint32_t mask = mask_bits(mask_row, k, inputs);
   const int count = __builtin_popcount(mask);
-  const __m512i kept = values + 32 <= end
-                           ? _mm512_loadu_si512(values)
-                           : _mm512_maskz_loadu_epi16(
-                                 count >= 32 ? ~uint32_t(0) : (uint32_t(1) << count) - 1, values);
+  const __m512i expanded = expand32<false>(mask, values, count, end);
   values += count;
-  return _mm512_maskz_expand_epi16(mask, kept);
+  return expanded;
 }
 
 // 32 inputs from k of 16 whole rows (masks: the first's bitmask row, mask_bytes apart), none of
@@ -199,8 +189,6 @@ WS_TARGET void panel(const __m512i* pairs, int64_t vectors, const uint16_t* x, i
     tokens_tiled<1>(pairs + v * kBlockPairs, x, ldx, count, sums + 16 * v, tokens, first);
 }
 
-}  // namespace
-
 // Rows [first, first + rows) of the next chunk (its values from start[r] on, about span[r] of
 // them, and its bitmask from input k): asked for into L2 while the micro-kernel computes, so
 // that the next lay_out finds them there.
@@ -214,6 +202,8 @@ WS_TARGET inline void prefetch_rows(const GemmArgs& a, const uint16_t* const* st
     __builtin_prefetch(a.bitmask + (n + r) * mask_bytes + k / 8, 0, 2);
   }
 }
+
+}  // namespace
 
 WS_TARGET void bitmask_gemm_avx512_bf16(const GemmArgs& a) {
   Scratch& buffers = scratch();
@@ -237,7 +227,8 @@ WS_TARGET void bitmask_gemm_avx512_bf16(const GemmArgs& a) {
         const int64_t panels = (count + kPanel - 1) / kPanel;
         const int64_t share = (kBlockRows + panels - 1) / panels;
         for (int64_t p = 0, i = 0; p < count; p += kPanel, ++i) {  // a panel's pairs stay in L1
-          if (more) prefetch_rows(a, buffers.next, buffers.span, n, i * share, share, 2 * (p0 + count));
+          if (more)
+            prefetch_rows(a, buffers.next, buffers.span, n, i * share, share, 2 * (p0 + count));
           panel(buffers.pairs + p, vectors, a.x + t0 * a.ldx + 2 * (p0 + p), a.ldx,
                 std::min(kPanel, count - p), buffers.sums, tokens, p0 == 0 && p == 0);
         }

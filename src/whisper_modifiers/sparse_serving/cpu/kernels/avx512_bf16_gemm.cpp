@@ -39,7 +39,7 @@
 #define WS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16")))
 #endif
 
-#include "avx512_bf16_gemm_blocks.h"
+#include "avx512_bf16_parts.h"
 
 namespace whisper_sparse {
 namespace {

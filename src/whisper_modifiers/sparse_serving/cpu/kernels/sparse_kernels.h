@@ -52,6 +52,18 @@ inline uint16_t round_to_bf16(float value) {
   return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// `bits` (at most 32) bits of a bitmask row from input k on (k a multiple of 8): whole bytes,
+// never past the row; 32 bits are one load of a constant size.
+inline uint32_t mask_bits(const uint8_t* row, int64_t k, int64_t bits) {
+  uint32_t mask = 0;
+  if (bits >= 32) {
+    std::memcpy(&mask, row + k / 8, sizeof(mask));
+    return mask;
+  }
+  std::memcpy(&mask, row + k / 8, (bits + 7) / 8);
+  return mask & ((uint32_t(1) << bits) - 1);
+}
+
 // One output of a row kernel: y[index] (or y_bf16[index]) = sum + bias[row].
 inline void store_sum(const RowsArgs& a, int64_t index, int64_t row, float sum) {
   if (a.bias != nullptr) sum += a.bias[row];

@@ -1,7 +1,8 @@
-// Parts the two AVX-512 BF16 GEMMs share (avx512_bf16_gemm.cpp for 2:4 layers,
-// avx512_bf16_bitmask_gemm.cpp for unstructured ones): a 16 x 16 transpose of 32-bit words, which
-// turns 16 rows' words into 16 registers of one word of every row, and the store of a block's
-// float32 sums into y. Included by those files after their WS_TARGET preamble.
+// Parts the AVX-512 BF16 kernel files share (avx512_bf16.cpp's rows, avx512_bf16_gemm.cpp's
+// 2:4 GEMM, avx512_bf16_bitmask_gemm.cpp's unstructured one): the expansion of 32 inputs'
+// kept values by their mask, a 16 x 16 transpose of 32-bit words, which turns 16 rows' words
+// into 16 registers of one word of every row, and the store of a GEMM block's float32 sums
+// into y. Included by those files after their WS_TARGET preamble.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,28 @@ namespace whisper_sparse {
 namespace {
 
 constexpr int64_t kLanes = 16;  // rows per register
+
+// The 32 inputs whose `mask` bits mark the `count` kept values at `values` (count <= 32; 16
+// for a whole group of 32 inputs of a 2:4 row, loaded without a mask). An unstructured row's
+// values are loaded 32 at a time without a mask where 32 values from `values` lie inside the
+// layer's (before `end`): vpexpandw takes only the first `count`, and a plain load spares the
+// mask's making (at 16 tokens, where each row is walked once per tile of 4 tokens, the masked
+// load made the unstructured rows 2x slower than 2:4's). Near the end, a masked load reads
+// exactly `count` (never a value past the layer's).
+template <bool Whole>
+WS_TARGET inline __m512i expand32(uint32_t mask, const uint16_t* values, int64_t count = 16,
+                                  const uint16_t* end = nullptr) {
+  __m512i kept;
+  if (Whole) {
+    kept = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
+  } else if (end != nullptr && values + 32 <= end) {
+    kept = _mm512_loadu_si512(values);
+  } else {
+    kept = _mm512_maskz_loadu_epi16(count >= 32 ? ~uint32_t(0) : (uint32_t(1) << count) - 1,
+                                    values);
+  }
+  return _mm512_maskz_expand_epi16(mask, kept);
+}
 
 // v[i] (16 lanes of 32 bits) becomes column i of the 16 x 16 matrix whose rows v held.
 WS_TARGET inline void transpose16(__m512 v[16]) {
