@@ -302,6 +302,7 @@ int main() {
     check_unstructured(5, 1031, sparsity, draw);
     check_unstructured(70, 1058, sparsity, draw);  // a second block of rows; chunks and a tail
     check_unstructured(130, 66, sparsity, draw);
+    check_unstructured(9, 4258, sparsity, draw);  // chunks of the expand-once rows, and a tail
   }
   std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
   return failures ? 1 : 0;

@@ -85,16 +85,17 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t 
         }
       }
     }
+    __m512 w[R];  // expanded first, multiplied after (avx512_bf16.cpp's rows_block says why)
     for (int r = 0; r < R; ++r) {
       uint16_t mask;
       std::memcpy(&mask, masks[r], sizeof(mask));
       const int64_t count = U ? __builtin_popcount(mask) : 8;
-      const __m512 w = U ? expand16<W, false>(values[r], 0, mask, count)
-                         : expand16<W>(values[r], 0, mask);
+      w[r] = U ? expand16<W, false>(values[r], 0, mask, count) : expand16<W>(values[r], 0, mask);
       values[r] += count * kValueBytes<W>;
       masks[r] += 2;
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(w, xv[t], acc[r][t]);
     }
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fmadd_ps(w[r], xv[t], acc[r][t]);
   }
   if (whole < a.K) {
     const int64_t rest = a.K - whole;

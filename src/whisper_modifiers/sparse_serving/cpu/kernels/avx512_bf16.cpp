@@ -3,8 +3,10 @@
 // values of 32 inputs in their lanes (16 in a 2:4 row; as many as the mask's popcount in an
 // unstructured one, whose pointer then advances by that count); vdpbf16ps then adds the 32
 // products into sixteen float32 lanes.
-// The kept values are loaded plainly and expanded in registers: vpexpandw from memory was
-// 1.35x slower at one token on a Zen 5 EPYC (27 against 37 GB/s of compressed weights).
+// The kept values are loaded plainly and expanded in registers (expand32 keeps the compiler from
+// folding the load into vpexpandw): vpexpandw from memory was 1.35x slower at one token on a
+// Zen 5 EPYC (27 against 37 GB/s of compressed weights). GCC's SLP vectorizer is off here: it
+// packed the row pointers into vector registers and spilled the accumulators in the row loop.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -22,6 +24,10 @@
 
 #include "avx512_bf16_parts.h"
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-tree-slp-vectorize")  // see the top of this file
+#endif
+
 namespace whisper_sparse {
 namespace {
 
@@ -31,11 +37,14 @@ namespace {
 constexpr int64_t kPrefetchAhead = 1024;
 
 // y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
-// values and bitmask are walked
-// by a pointer of its own.
+// values and bitmask are walked by a pointer of its own. Per 32 inputs, the R rows' kept values
+// are expanded first and multiplied after: on a Zen 5 EPYC (one core, L2-resident weights),
+// vpexpandw interleaved with the vdpbf16ps that read it took 4 cycles per row and 32 inputs,
+// grouped 1.4 (23 against 65 GB/s of compressed weights).
 // (U: an unstructured row, whose values start at row_offsets[n + r]; the next group's rows are
-// prefetched at the same distance into them.)
-template <int R, int T, bool U>
+// prefetched at the same distance into them. Bounded: its last 32 values may lie within 32 of
+// the layer's end, so each load checks.)
+template <int R, int T, bool U, bool Bounded = false>
 WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
   const int64_t whole = a.K & ~int64_t(31);
@@ -53,29 +62,30 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < whole; k += 32) {
-    __m512i xv[T];
-    for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_si512(x + t * ldx + k);
     if ((k & 63) == 0) {  // once per cache line (64 inputs) of kept values, per row
       for (int r = 0; r < R; ++r) {
         __builtin_prefetch(values[r] + kPrefetchAhead / 2, 0, 3);
         __builtin_prefetch(values[r] + next_group[r], 0, 3);
         if ((k & 511) == 0) {
-          __builtin_prefetch(masks[r] + 64, 0, 3);
-          __builtin_prefetch(masks[r] + R * mask_bytes, 0, 3);
+          __builtin_prefetch(masks[r] + k / 8 + 64, 0, 3);
+          __builtin_prefetch(masks[r] + k / 8 + R * mask_bytes, 0, 3);
         }
       }
     }
+    __m512i w[R];
     for (int r = 0; r < R; ++r) {
       uint32_t mask;
-      std::memcpy(&mask, masks[r], sizeof(mask));
+      std::memcpy(&mask, masks[r] + k / 8, sizeof(mask));
       const int64_t count = U ? __builtin_popcount(mask) : 16;
-      const __m512i w =
-          U ? expand32<false>(mask, values[r], count, end) : expand32<true>(mask, values[r]);
+      w[r] = U ? expand32<false, Bounded>(mask, values[r], count, end)
+               : expand32<true>(mask, values[r]);
       values[r] += count;
-      masks[r] += 4;
-      for (int t = 0; t < T; ++t)
-        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w, (__m512bh)xv[t]);
     }
+    __m512i xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm512_loadu_si512(x + t * ldx + k);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t)
+        acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w[r], (__m512bh)xv[t]);
   }
   if (whole < a.K) {
     const int64_t rest = a.K - whole;  // 4 .. 28 inputs (2:4), 1 .. 31 (unstructured)
@@ -83,7 +93,7 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
     __m512i xv[T];
     for (int t = 0; t < T; ++t) xv[t] = _mm512_maskz_loadu_epi16(inputs, x + t * ldx + whole);
     for (int r = 0; r < R; ++r) {
-      const uint32_t mask = mask_bits(masks[r], 0, rest);
+      const uint32_t mask = mask_bits(masks[r], whole, rest);
       const __m512i w = expand32<false>(mask, values[r], U ? __builtin_popcount(mask) : rest / 2,
                                         U ? end : nullptr);
       for (int t = 0; t < T; ++t)
@@ -95,30 +105,43 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
       store_sum(a, (m + t) * a.ldy + n + r, n + r, _mm512_reduce_add_ps(acc[r][t]));
 }
 
+// rows_block, whose loads check the layer's end only where the block's last row ends within 32
+// values of it (a row holds at most K values).
+template <int R, int T, bool U>
+WS_TARGET void rows_block_in_layer(const RowsArgs& a, const uint16_t* x, int64_t m, int64_t n) {
+  if (U && a.row_offsets[n + R - 1] + a.K + 32 > a.values_count) {
+    rows_block<R, T, U, true>(a, x, m, n);
+  } else {
+    rows_block<R, T, U>(a, x, m, n);
+  }
+}
+
 // Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
 // in cache, so the weights are read from memory once.
 template <int G, bool U>
 WS_TARGET void rows_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, U>(a, x + m * a.ldx, m, n);
+  for (; m + 4 <= a.M; m += 4) rows_block_in_layer<G, 4, U>(a, x + m * a.ldx, m, n);
   switch (a.M - m) {
-    case 3: rows_block<G, 3, U>(a, x + m * a.ldx, m, n); break;
-    case 2: rows_block<G, 2, U>(a, x + m * a.ldx, m, n); break;
-    case 1: rows_block<G, 1, U>(a, x + m * a.ldx, m, n); break;
+    case 3: rows_block_in_layer<G, 3, U>(a, x + m * a.ldx, m, n); break;
+    case 2: rows_block_in_layer<G, 2, U>(a, x + m * a.ldx, m, n); break;
+    case 1: rows_block_in_layer<G, 1, U>(a, x + m * a.ldx, m, n); break;
     default: break;
   }
 }
 
 // Unstructured rows for more than kExpandOnceAbove tokens: the chunks of kChunk inputs of a group
-// of rows are expanded once, into a dense buffer that stays in L1, and every tile of up to four
+// of rows are expanded once (the group's rows side by side, so their popcount-advanced pointers
+// are independent chains), into a dense buffer that stays in L1, and every tile of up to six
 // tokens is multiplied with it there (each tile's float32 sums kept in `partial` across chunks).
-// Expanding per tile, as rows_all_tokens does, walked each row's popcount-advanced pointers once
-// per tile, which made unstructured rows 2x slower than 2:4's at 16 tokens.
-// Measured on a Zen 5 EPYC (4096 x 4096 bfloat16, 50 % and 65 %, 2 threads): expanding once
-// took 1.01 / 1.10 / 1.36 / 1.56 / 3.96 ms at 5 / 8 / 12 / 16 / 64 tokens (50 %), expanding per
-// tile 0.91 / 1.10 / 1.57 / 2.04 / 7.4; so from more than 8 tokens.
-constexpr int64_t kChunk = 512;
-constexpr int64_t kExpandOnceAbove = 8;
+// Expanding per tile, as rows_all_tokens does, walks each row's pointer once per tile.
+// Measured on a Zen 5 EPYC (1024 x 4096 bfloat16, 50 %, 2 threads, weights from memory):
+// expanding once took 183 / 208 / 248 / 331 us at 9 / 12 / 16 / 24 tokens, per tile 181 / 209 /
+// 273 / 403 (at 65 %, per tile was faster up to 12); and with chunks of 512 inputs and tiles of
+// four tokens (one core, L2-resident weights), 150 / 473 us at 16 / 64 tokens, now 115 / 354.
+constexpr int64_t kChunk = 2048;
+constexpr int64_t kExpandOnceAbove = 12;
+constexpr int kTileTokens = 6;  // 4 rows x 6 tokens: 24 accumulators
 
 // partial[t * G + r] (16 float32 lanes each) += the dot products of tokens [m, m + T) with the
 // chunk's dense rows (x: token m's row at the chunk's first input; `width` inputs in the chunk).
@@ -142,6 +165,16 @@ WS_TARGET void multiply_chunk(const uint16_t (*dense)[kChunk], const uint16_t* x
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(partial + (t * G + r) * 16, acc[r][t]);
 }
 
+// multiply_chunk for the last `left` (< T + 1) tokens of a batch.
+template <int G, int T>
+WS_TARGET void multiply_chunk_tail(int64_t left, const uint16_t (*dense)[kChunk], const uint16_t* x,
+                                   int64_t ldx, int64_t width, float* partial) {
+  if constexpr (T > 0) {
+    if (left == T) return multiply_chunk<G, T>(dense, x, ldx, width, partial);
+    multiply_chunk_tail<G, T - 1>(left, dense, x, ldx, width, partial);
+  }
+}
+
 template <int G>
 WS_TARGET void unstructured_rows_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t n,
                                             float* partial) {
@@ -155,46 +188,41 @@ WS_TARGET void unstructured_rows_all_tokens(const RowsArgs& a, const uint16_t* x
     values[r] = base + a.row_offsets[n + r];
     next_group[r] = n + r + G < a.n_end ? a.row_offsets[n + r + G] - a.row_offsets[n + r] : 0;
   }
+  const bool bounded = a.row_offsets[n + G - 1] + a.K + 32 > a.values_count;
   std::fill(partial, partial + a.M * G * 16, 0.0f);
   for (int64_t k0 = 0; k0 < a.K; k0 += kChunk) {
     const int64_t width = std::min(kChunk, a.K - k0);
-    for (int r = 0; r < G; ++r) {
-      const uint8_t* masks = a.bitmask + (n + r) * mask_bytes + k0 / 8;
-      for (int64_t k = 0; k < width; k += 32) {
-        if ((k & 63) == 0) {  // as rows_block: ahead in the row, and in the next group's row
+    const uint8_t* masks[G];
+    for (int r = 0; r < G; ++r) masks[r] = a.bitmask + (n + r) * mask_bytes + k0 / 8;
+    const int64_t whole = width & ~int64_t(31);
+    for (int64_t k = 0; k < whole; k += 32) {  // the G rows side by side: G pointer chains
+      if ((k & 63) == 0)
+        for (int r = 0; r < G; ++r) {  // as rows_block: ahead in the row, and the next group's
           __builtin_prefetch(values[r] + kPrefetchAhead / 2, 0, 3);
           __builtin_prefetch(values[r] + next_group[r], 0, 3);
         }
-        // the mask read inline rather than by mask_bits: with the call (inlined) this loop
-        // compiled differently and ran 3-14 % slower at 64 tokens on a Zen 5 EPYC
-        const int64_t inputs = std::min<int64_t>(32, width - k);
-        uint32_t mask = 0;
-        if (inputs == 32) {
-          std::memcpy(&mask, masks + k / 8, sizeof(mask));  // a constant size: one load
-        } else {  // the layer's last inputs: only their bytes
-          std::memcpy(&mask, masks + k / 8, (inputs + 7) / 8);
-          mask &= (uint32_t(1) << inputs) - 1;
-        }
+      for (int r = 0; r < G; ++r) {
+        uint32_t mask;
+        std::memcpy(&mask, masks[r] + k / 8, sizeof(mask));
         const int64_t count = __builtin_popcount(mask);
-        _mm512_storeu_si512(dense[r] + k, expand32<false>(mask, values[r], count, end));
+        const __m512i w = bounded ? expand32<false>(mask, values[r], count, end)
+                                  : expand32<false, false>(mask, values[r]);
+        _mm512_storeu_si512(dense[r] + k, w);
         values[r] += count;
       }
     }
+    if (whole < width)
+      for (int r = 0; r < G; ++r) {  // the layer's last inputs: only their bytes
+        const uint32_t mask = mask_bits(masks[r], whole, width - whole);
+        const int64_t count = __builtin_popcount(mask);
+        _mm512_storeu_si512(dense[r] + whole, expand32<false>(mask, values[r], count, end));
+        values[r] += count;
+      }
     int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4)
-      multiply_chunk<G, 4>(dense, x + m * a.ldx + k0, a.ldx, width, partial + m * G * 16);
-    switch (a.M - m) {
-      case 3:
-        multiply_chunk<G, 3>(dense, x + m * a.ldx + k0, a.ldx, width, partial + m * G * 16);
-        break;
-      case 2:
-        multiply_chunk<G, 2>(dense, x + m * a.ldx + k0, a.ldx, width, partial + m * G * 16);
-        break;
-      case 1:
-        multiply_chunk<G, 1>(dense, x + m * a.ldx + k0, a.ldx, width, partial + m * G * 16);
-        break;
-      default: break;
-    }
+    for (; m + kTileTokens <= a.M; m += kTileTokens)
+      multiply_chunk<G, kTileTokens>(dense, x + m * a.ldx + k0, a.ldx, width, partial + m * G * 16);
+    multiply_chunk_tail<G, kTileTokens - 1>(a.M - m, dense, x + m * a.ldx + k0, a.ldx, width,
+                                            partial + m * G * 16);
   }
   for (int64_t t = 0; t < a.M; ++t)
     for (int r = 0; r < G; ++r)
@@ -206,8 +234,8 @@ WS_TARGET void unstructured_rows_all_tokens(const RowsArgs& a, const uint16_t* x
 template <int R, int T, bool U>
 WS_TARGET void rows_side_by_side(const RowsArgs& a, const uint16_t* x) {
   int64_t n = a.n_begin;
-  for (; n + R <= a.n_end; n += R) rows_block<R, T, U>(a, x, 0, n);
-  for (; n < a.n_end; ++n) rows_block<1, T, U>(a, x, 0, n);
+  for (; n + R <= a.n_end; n += R) rows_block_in_layer<R, T, U>(a, x, 0, n);
+  for (; n < a.n_end; ++n) rows_block_in_layer<1, T, U>(a, x, 0, n);
 }
 
 template <bool U>

@@ -18,22 +18,25 @@ constexpr int64_t kLanes = 16;  // rows per register
 // The 32 inputs whose `mask` bits mark the `count` kept values at `values` (count <= 32; 16
 // for a whole group of 32 inputs of a 2:4 row, loaded without a mask). An unstructured row's
 // values are loaded 32 at a time without a mask where 32 values from `values` lie inside the
-// layer's (before `end`): vpexpandw takes only the first `count`, and a plain load spares the
-// mask's making (at 16 tokens, where each row is walked once per tile of 4 tokens, the masked
-// load made the unstructured rows 2x slower than 2:4's). Near the end, a masked load reads
-// exactly `count` (never a value past the layer's).
-template <bool Whole>
+// layer's (before `end`; Bounded = false: the caller knows they do): vpexpandw takes only the
+// first `count`, and a plain load spares the mask's making (at 16 tokens, where each row is
+// walked once per tile of 4 tokens, the masked load made the unstructured rows 2x slower than
+// 2:4's). Near the end, a masked load reads exactly `count` (never a value past the layer's).
+template <bool Whole, bool Bounded = true>
 WS_TARGET inline __m512i expand32(uint32_t mask, const uint16_t* values, int64_t count = 16,
                                   const uint16_t* end = nullptr) {
   __m512i kept;
   if (Whole) {
     kept = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
-  } else if (end != nullptr && values + 32 <= end) {
+  } else if (!Bounded || (end != nullptr && values + 32 <= end)) {
     kept = _mm512_loadu_si512(values);
   } else {
     kept = _mm512_maskz_loadu_epi16(count >= 32 ? ~uint32_t(0) : (uint32_t(1) << count) - 1,
                                     values);
   }
+#ifndef WS_EMULATE_INTRINSICS
+  asm("" : "+v"(kept));  // keeps the load apart: the compiler folds it into vpexpandw otherwise
+#endif
   return _mm512_maskz_expand_epi16(mask, kept);
 }
 
