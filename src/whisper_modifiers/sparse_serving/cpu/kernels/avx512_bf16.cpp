@@ -42,8 +42,8 @@ constexpr int64_t kPrefetchAhead = 1024;
 // vpexpandw interleaved with the vdpbf16ps that read it took 4 cycles per row and 32 inputs,
 // grouped 1.4 (23 against 65 GB/s of compressed weights).
 // (U: an unstructured row, whose values start at row_offsets[n + r]; the next group's rows are
-// prefetched at the same distance into them. Bounded: its last 32 values may lie within 32 of
-// the layer's end, so each load checks.)
+// prefetched at the same distance into them. Bounded: a row's next 32 values may run past the
+// layer's last, so each load checks.)
 template <int R, int T, bool U, bool Bounded = false>
 WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
@@ -105,8 +105,8 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
       store_sum(a, (m + t) * a.ldy + n + r, n + r, _mm512_reduce_add_ps(acc[r][t]));
 }
 
-// rows_block, whose loads check the layer's end only where the block's last row ends within 32
-// values of it (a row holds at most K values).
+// rows_block, whose loads check the layer's end only where the block's last row starts within
+// K + 32 values of it (a row holds at most K values).
 template <int R, int T, bool U>
 WS_TARGET void rows_block_in_layer(const RowsArgs& a, const uint16_t* x, int64_t m, int64_t n) {
   if (U && a.row_offsets[n + R - 1] + a.K + 32 > a.values_count) {
