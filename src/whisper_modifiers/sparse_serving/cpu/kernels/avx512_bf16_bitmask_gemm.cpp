@@ -96,7 +96,7 @@ WS_TARGET inline void expand_16_rows(const uint8_t* masks, int64_t mask_bytes, i
     __builtin_prefetch(values + kPrefetchAhead, 0, 3);
     uint32_t mask;
     std::memcpy(&mask, masks + i * mask_bytes + k / 8, sizeof(mask));
-    rows[i] = _mm512_castsi512_ps(_mm512_maskz_expand_epi16(mask, _mm512_loadu_si512(values)));
+    rows[i] = _mm512_castsi512_ps(expand32<false, false>(mask, values));
     next[i] = values + __builtin_popcount(mask);
   }
 }
@@ -214,7 +214,7 @@ WS_TARGET void bitmask_gemm_avx512_bf16(const GemmArgs& a) {
       const int64_t vectors = std::min(kBlockVectors, (a.n_end - n + kLanes - 1) / kLanes);
       const int64_t last = std::min(n + kBlockRows, a.n_end) - 1;
       const bool whole = last == n + kBlockRows - 1 &&
-                         a.row_offsets[last] + a.K + 32 <= a.values_count;
+                         loads_stay_in_layer(a.row_offsets, last, a.K, a.values_count);
       for (int64_t r = 0; r < kBlockRows && n + r < a.n_end; ++r) {
         buffers.next[r] = a.compressed + a.row_offsets[n + r];
         const int64_t row_end = n + r + 1 < a.n_end ? a.row_offsets[n + r + 1] : a.values_count;

@@ -7,8 +7,8 @@
 // One file per instruction set (each function carries its own target attribute, so no file is
 // compiled for a CPU it may not run on; AVX-512 BF16 has three: its row kernels, its 2:4
 // GEMM and its unstructured GEMM), this header, and op.cpp: the run-time dispatch from the
-// CPU's flags and the torch op. The pure-torch reference the tests compare them with is format.decompress_24
-// followed by F.linear.
+// CPU's flags and the torch op. The pure-torch reference the tests compare them with is
+// format.decompress_24 (or decompress_bitmask) followed by F.linear.
 #pragma once
 
 #include <cstdint>
@@ -62,6 +62,13 @@ inline uint32_t mask_bits(const uint8_t* row, int64_t k, int64_t bits) {
   }
   std::memcpy(&mask, row + k / 8, (bits + 7) / 8);
   return mask & ((uint32_t(1) << bits) - 1);
+}
+
+// Whether 32 values loaded from anywhere in an unstructured layer's rows up to `row` (their
+// offsets rising) stay among its values_count: a row's pointer never passes its start + K.
+inline bool loads_stay_in_layer(const int64_t* row_offsets, int64_t row, int64_t K,
+                                int64_t values_count) {
+  return row_offsets[row] + K + 32 <= values_count;
 }
 
 // One output of a row kernel: y[index] (or y_bf16[index]) = sum + bias[row].
