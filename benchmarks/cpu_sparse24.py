@@ -134,7 +134,7 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     vllm_dense = [linear_for(weight) for weight in dense] if linear_for else []
     paths = {"op": (plan.tiled_from, plan.gemm_from), "rows": (NO_TILES, NO_TILES),
              "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}  # fmt: skip
-    gemm = gemm_runs(dtype, dtype, columns)
+    gemm = gemm_runs(dtype, dtype)
     results = []
     with torch.no_grad():
         for count in tokens:

@@ -3,6 +3,7 @@
 // every shape of tails and row groups, 1 to 9 tokens, float32 and bfloat16 weights; and the
 // 2:4 GEMM at token counts around its tiles, with a bias; and unstructured layers (row offsets).
 // Prints one line per failure and exits 1 on any; test_cpu_kernels.py builds and runs it.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -175,8 +176,29 @@ void check_gemm(const Layer& layer, std::mt19937& draw) {
   }
 }
 
-// bitmask_gemm_avx512_bf16 (an even K) for rows [begin, rows): y = bfloat16(x W^T + bias), rows
-// before `begin` untouched; x with a row stride wider than K and NaN between its rows.
+// The unstructured GEMM as op_gemm.cpp runs it: pass by pass, x packed (in two calls, as two
+// threads would share it) before the rows.
+void run_bitmask_gemm(const GemmArgs& args) {
+  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = (args.K + 1) / 2;
+  const int64_t half = (pairs + 31) / 32 * 16;
+  for (int64_t t0 = 0; t0 < args.M; t0 += per_pass) {
+    const int64_t tokens = std::min(per_pass, args.M - t0);
+    std::vector<uint32_t> packed(bitmask_gemm_packed_words(tokens, args.K));
+    const uint16_t* x = args.x + t0 * args.ldx;
+    pack_pairs_avx512_bf16(x, args.ldx, tokens, args.K, 0, std::min(half, pairs), packed.data());
+    pack_pairs_avx512_bf16(x, args.ldx, tokens, args.K, std::min(half, pairs), pairs,
+                           packed.data());
+    GemmArgs pass = args;
+    pass.x = x;
+    pass.y = args.y + t0 * args.ldy;
+    pass.M = tokens;
+    pass.packed = packed.data();
+    bitmask_gemm_avx512_bf16(pass);
+  }
+}
+
+// bitmask_gemm_avx512_bf16 for rows [begin, rows): y = bfloat16(x W^T + bias), rows before
+// `begin` untouched; x with a row stride wider than K and NaN between its rows.
 void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& expected,
                         const std::vector<uint16_t>& kept_bf16, const std::vector<uint8_t>& bitmask,
                         const std::vector<int64_t>& offsets, int64_t rows, int64_t columns,
@@ -192,7 +214,7 @@ void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& e
     std::vector<uint16_t> y(tokens * rows, 0xFFFF);
     GemmArgs args{x_bf16.data(), ldx, kept_bf16.data(), bitmask.data(), bias.data(), y.data(),
                   rows, tokens, columns, begin, rows, offsets.data(), int64_t(kept_bf16.size())};
-    bitmask_gemm_avx512_bf16(args);
+    run_bitmask_gemm(args);
     bool same = true;
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t n = 0; n < rows; ++n)
@@ -202,9 +224,30 @@ void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& e
   }
 }
 
+// x W^T in float32 ([tokens, rows]) for a dense W [rows, columns] and x [tokens, columns].
+std::vector<float> products(const std::vector<float>& x, const std::vector<float>& dense,
+                            int64_t rows, int64_t columns, int64_t tokens) {
+  std::vector<float> y(tokens * rows, 0.0f);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t k = 0; k < columns; ++k)
+        y[t * rows + n] += x[t * columns + k] * dense[n * columns + k];
+  return y;
+}
+
+std::vector<float> random_x(int64_t tokens, int64_t columns, std::mt19937& draw) {
+  std::uniform_int_distribution<int> value(-3, 3);
+  std::vector<float> x(tokens * columns);
+  for (auto& v : x) v = float(value(draw));
+  return x;
+}
+
 // Unstructured layers (RowsArgs::row_offsets): the AVX-512 row kernels and the dense rows,
-// any number kept per group, inputs not a multiple of 16 or 32.
-void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt19937& draw) {
+// any number kept per group, inputs not a multiple of 16 or 32; the unstructured GEMM at the
+// row kernels' token counts and at `gemm_tokens` (its tiles of 16 and 32 tokens, its blocking
+// beyond 64, its passes).
+void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt19937& draw,
+                        std::vector<int64_t> gemm_tokens = {16, 33, 65}) {
   const int64_t bytes = (columns + 7) / 8;
   std::vector<float> dense(rows * columns, 0.0f), kept;
   std::vector<uint16_t> kept_bf16;
@@ -245,18 +288,18 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     }
     expect(same, "decompress_avx512 unstructured", rows, columns, 0);
   }
+  for (int64_t tokens : gemm_tokens) {
+    const std::vector<float> x = random_x(tokens, columns, draw);
+    check_bitmask_gemm(x, products(x, dense, rows, columns, tokens), kept_bf16, bitmask, offsets,
+                       rows, columns, tokens, draw);
+  }
+  if (columns > 8192) return;  // the row kernels' checks below are for the smaller layers
   for (int64_t tokens :
        {int64_t(1), int64_t(2), int64_t(5), int64_t(9), int64_t(14), int64_t(29)}) {
-    std::vector<float> x(tokens * columns), expected(tokens * rows, 0.0f);
+    const std::vector<float> x = random_x(tokens, columns, draw);
+    const std::vector<float> expected = products(x, dense, rows, columns, tokens);
     std::vector<uint16_t> x_bf16(tokens * columns);
-    for (size_t i = 0; i < x.size(); ++i) {
-      x[i] = float(value(draw));
-      x_bf16[i] = to_bf16(x[i]);
-    }
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t n = 0; n < rows; ++n)
-        for (int64_t k = 0; k < columns; ++k)
-          expected[t * rows + n] += x[t * columns + k] * dense[n * columns + k];
+    for (size_t i = 0; i < x.size(); ++i) x_bf16[i] = to_bf16(x[i]);
     std::vector<float> y32(tokens * rows), y16(tokens * rows), ydot(tokens * rows);
     RowsArgs f32{x.data(), columns, kept.data(), WeightType::f32, bitmask.data(), y32.data(),
                  rows, tokens, columns, 0, rows};
@@ -278,8 +321,7 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     expect(y32 == expected, "rows_avx512 f32 unstructured", rows, columns, tokens);
     expect(y16 == expected, "rows_avx512 bf16 unstructured", rows, columns, tokens);
     expect(ydot == expected, "rows_avx512_bf16 unstructured", rows, columns, tokens);
-    if (columns % 2 == 0) check_bitmask_gemm(x, expected, kept_bf16, bitmask, offsets, rows,
-                                             columns, tokens, draw);
+    check_bitmask_gemm(x, expected, kept_bf16, bitmask, offsets, rows, columns, tokens, draw);
   }
 }
 
@@ -303,6 +345,11 @@ int main() {
     check_unstructured(70, 1058, sparsity, draw);  // a second block of rows; chunks and a tail
     check_unstructured(130, 66, sparsity, draw);
     check_unstructured(9, 4258, sparsity, draw);  // chunks of the expand-once rows, and a tail
+    check_unstructured(50, 4097, sparsity, draw);  // the GEMM: an odd K past a whole chunk
+  }
+  // the GEMM's packed x capped per pass: 32 tokens a pass here, so 70 take three; an odd K
+  for (double sparsity : {0.5, 0.95}) {
+    check_unstructured(3, 66001, sparsity, draw, {70});
   }
   std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
   return failures ? 1 : 0;

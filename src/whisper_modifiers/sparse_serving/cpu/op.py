@@ -117,13 +117,11 @@ def set_cpu_isa(name: str) -> None:
         _ops().set_isa(name)
 
 
-def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype, in_features: int = 4) -> bool:
+def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     """Whether the op's GEMMs (2:4 and unstructured) run ``x_dtype`` activations with
-    ``weight_dtype`` weights of ``in_features`` inputs here: bfloat16 both, on the
-    ``avx512_bf16`` kernels, an even ``in_features`` (elsewhere the token counts given to
-    them run the row kernels)."""
-    return (cpu_isa() == "avx512_bf16" and x_dtype == weight_dtype == torch.bfloat16
-            and in_features % 2 == 0)  # fmt: skip
+    ``weight_dtype`` weights here: bfloat16 both, on the ``avx512_bf16`` kernels (elsewhere
+    the token counts given to them run the row kernels)."""
+    return cpu_isa() == "avx512_bf16" and x_dtype == weight_dtype == torch.bfloat16
 
 
 def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,

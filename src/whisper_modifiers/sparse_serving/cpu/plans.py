@@ -119,7 +119,7 @@ def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
     ``density``) and, by path, ``run(x)`` of the op on it."""
     thresholds = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
     paths = [path for path in PATHS
-             if path != "gemm" or gemm_runs(dtype, dtype, in_features)]  # fmt: skip
+             if path != "gemm" or gemm_runs(dtype, dtype)]  # fmt: skip
     if density is None:
         dense = random_two_four(out_features, in_features, dtype)
         compressed, bitmask = compress_24(dense)

@@ -4,28 +4,32 @@
 //
 // The kept values have no fixed place, so the products are a dense GEMM's: what this saves is
 // the weight bytes read (a row's kept values and a bit per input) and the dense weight never
-// held. For 16 rows and 32 inputs at a time a block is laid out once per call: each row's 32
-// bits of mask expand its next popcount values into their lanes (vpexpandw), its pointer
-// advances by that count, and a 16 x 16 transpose of 32-bit words turns the 16 rows into 16
-// registers pairs[p], one per pair of inputs (2p, 2p + 1), each holding that pair of every
-// row: the operand of vdpbf16ps. The micro-kernel then broadcasts a token's pair of inputs
-// (32 bits) and adds it, by one vdpbf16ps, into each of its row registers' float32 lanes.
+// held. The tokens take the lanes, so a row's weights need no transpose:
+//   * x is packed once per pass of tokens as pairs of inputs, by all threads together
+//     (pack_pairs_avx512_bf16, before the threads take their rows): token t's inputs
+//     (2p, 2p + 1) as one 32-bit word, 16 tokens to a register, a tile of tokens' words for
+//     pair after pair in a run of memory;
+//   * a block of rows is expanded, a chunk of inputs at a time, into a row-major buffer: each
+//     row's 32 bits of mask expand its next kept values into their places (vpexpandw), its
+//     pointer advancing by their popcount;
+//   * the micro-kernel broadcasts a row's pair of weights (32 bits of that buffer) and adds it,
+//     by one vdpbf16ps, into a register of 16 tokens' float32 sums: R rows x TV registers of
+//     tokens, 24 accumulators (24 x 1 for a tile of 16 tokens, 12 x 2 for 32).
+//   * While the micro-kernel computes a block, the next block's bytes (its rows' kept values,
+//     then their bitmask rows: two runs of memory) are asked for a line at a time, spread over
+//     the block's work, so that its expansion finds them in the caches.
 //
-//   for each block of kBlockRows rows (a thread's share), kBlockPairs pairs at a time:
-//     lay the block out; for every panel of kPanel pairs (in L1) and tile of up to kTile
-//     tokens: the micro-kernel (2 registers of rows x kTile tokens of float32 accumulators),
-//     its sums kept per token and row across panels, while the next chunk's kept values and
-//     mask bytes are prefetched into L2; then each token's sums, plus the bias, rounded once
-//     to bfloat16 into y.
+//   for each pass of tokens (packed x of at most kPackedBytes; op.cpp): pack x;
+//     for each block of rows (a thread's share), a chunk of inputs at a time:
+//       expand the block's rows; for every tile of tokens and group of R rows: the
+//       micro-kernel, its sums kept per row and token across chunks; then each token's sums,
+//       plus the bias, rounded once to bfloat16 into y.
 //
-// Measured on a 2-core Zen 5 EPYC (12288 x 4096 at 50 %, against vLLM's dense GEMM, oneDNN
-// on a packed weight): 2 x 12 accumulators 0.99x at 512 tokens, 2 x 8 0.96x, 4 x 6 0.88x.
-// The layout costs 5.2-5.4 ms of one core for that layer where the row kernels walk the same
-// values and multiply one token in 3.1 ms: the 16 rows' streams are latency-bound (prefetching
-// farther ahead, walking one row at a time and fewer rows per block were all slower; the
-// transpose is a tenth of it). Prefetching the next chunk during the micro-kernel took 64
-// tokens from 0.81x to 0.86x; 256 tokens a pass rather than 512 took Llama-2-7B's down_proj
-// (11008 inputs) at 512 tokens from 0.84x to 0.93x.
+// Measured on a 2-core Zen 5 EPYC (12288 x 4096 at 50 %, 2 threads), against the kernel this
+// replaced (16 rows transposed into registers of rows, the tokens' inputs broadcast): 3.0
+// against 4.1 ms at 16 tokens, 7.5 against 9.3 at 64, 54.6 against 59.5 at 512. The choices
+// (the padded row stride, the sweep, the blockings, the cap on packed x) are measured in
+// docs/serving.md, "The CPU op".
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -43,28 +47,35 @@
 
 #include "avx512_bf16_parts.h"
 
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-tree-slp-vectorize")  // else the rows' pointers share a vector register
+#endif
+
 namespace whisper_sparse {
 namespace {
 
-constexpr int64_t kBlockVectors = 4;    // registers of rows per block: 64 rows
-constexpr int64_t kBlockRows = kBlockVectors * kLanes;
-constexpr int64_t kBlockPairs = 256;    // pairs of inputs laid out at a time (512 inputs)
-constexpr int64_t kTokensPerPass = 256; // tokens whose sums a block holds (64 KiB)
-constexpr int64_t kPanel = 64;          // pairs per micro-kernel call (16 KiB of weights)
-constexpr int kTile = 12;               // tokens per micro-kernel call
-constexpr int64_t kPrefetchAhead = 128; // values ahead in each row's kept values (256 bytes)
+// Rows expanded at a time (a multiple of 24) and inputs per chunk (a multiple of 32), by the
+// number of tokens of a pass: up to kFewTokensUpTo, then beyond.
+constexpr int64_t kFewTokensUpTo = 64;
+constexpr int64_t kFewTokensRows = 24, kFewTokensChunk = 4096;
+constexpr int64_t kManyTokensRows = 48, kManyTokensChunk = 1024;
+constexpr int64_t kMostRows = 48;
+constexpr int64_t kMostRowStride = 4096 + 32;
+// The expanded rows' stride: 64 bytes off a power of two, so that rows fall apart in L1.
+constexpr int64_t row_stride(int64_t chunk) { return chunk + 32; }
+constexpr int64_t kTokensPerPass = 512;         // at most (a multiple of 32)
+constexpr int64_t kPackedBytes = int64_t(8) << 20;  // packed x of a pass, at most (shared)
+constexpr int64_t kExpandSide = 8;              // rows expanded side by side
 
-// Per-thread buffers, allocated once: a block's layout and its sums, and where each of its
-// rows' next kept value is.
+// Per-thread buffers: a block's expanded chunk and its sums.
 struct Scratch {
-  __m512i* pairs = static_cast<__m512i*>(
-      std::aligned_alloc(64, kBlockVectors * kBlockPairs * sizeof(__m512i)));
+  uint16_t* expanded = static_cast<uint16_t*>(
+      std::aligned_alloc(64, kMostRows * kMostRowStride * sizeof(uint16_t)));
   float* sums = static_cast<float*>(
-      std::aligned_alloc(64, kTokensPerPass * kBlockRows * sizeof(float)));
-  const uint16_t* next[kBlockRows];
-  int64_t span[kBlockRows];  // about how many kept values a row has in a chunk of inputs
+      std::aligned_alloc(64, kMostRows * kTokensPerPass * sizeof(float)));
+  const uint16_t* next[kMostRows];
   ~Scratch() {
-    std::free(pairs);
+    std::free(expanded);
     std::free(sums);
   }
 };
@@ -74,167 +85,228 @@ Scratch& scratch() {
   return buffers;
 }
 
-// The 32 inputs of a row from input k (`inputs` of them before the layer's last) whose mask
-// bits mark its next kept values at `values`, advanced past them (expand32).
-WS_TARGET inline __m512i expand_next(const uint8_t* mask_row, int64_t k, int64_t inputs,
-                                     const uint16_t*& values, const uint16_t* end) {
-  const uint32_t mask = mask_bits(mask_row, k, inputs);
-  const int count = __builtin_popcount(mask);
-  const __m512i expanded = expand32<false>(mask, values, count, end);
-  values += count;
-  return expanded;
-}
-
-// 32 inputs from k of 16 whole rows (masks: the first's bitmask row, mask_bytes apart), none of
-// whose next 32 values lies past the layer's: expand_next without its checks.
-WS_TARGET inline void expand_16_rows(const uint8_t* masks, int64_t mask_bytes, int64_t k,
-                                     const uint16_t** next, __m512 rows[16]) {
-  if ((k & 511) == 0)
-    for (int i = 0; i < 16; ++i) __builtin_prefetch(masks + i * mask_bytes + k / 8 + 64, 0, 3);
-  for (int i = 0; i < 16; ++i) {
-    const uint16_t* values = next[i];
-    __builtin_prefetch(values + kPrefetchAhead, 0, 3);
-    uint32_t mask;
-    std::memcpy(&mask, masks + i * mask_bytes + k / 8, sizeof(mask));
-    rows[i] = _mm512_castsi512_ps(expand32<false, false>(mask, values));
-    next[i] = values + __builtin_popcount(mask);
+// The next block's bytes as two runs of lines (its rows' kept values, then their bitmask
+// rows), asked for one line at a time.
+struct Sweep {
+  const char* at = nullptr;
+  const char* end = nullptr;
+  const char* then = nullptr;
+  const char* then_end = nullptr;
+  int64_t lines_left() const { return ((end - at) + (then_end - then) + 63) / 64; }
+  inline void step() {
+    if (at < end) {
+      __builtin_prefetch(at, 0, 3);
+      at += 64;
+    } else if (then < then_end) {
+      __builtin_prefetch(then, 0, 3);
+      then += 64;
+    }
   }
+};
+
+// Rows [n, n_end) of the layer as a sweep; empty where there are none.
+Sweep sweep_of(const GemmArgs& a, int64_t n, int64_t n_end) {
+  Sweep sweep;
+  if (n >= n_end) return sweep;
+  const int64_t mask_bytes = (a.K + 7) / 8;
+  const int64_t first = a.row_offsets[n], last_row = a.row_offsets[n_end - 1];
+  // the last row's end, about: it may be the layer's, which row_offsets does not hold
+  const int64_t last = last_row + (last_row - first) / std::max<int64_t>(1, n_end - 1 - n);
+  sweep.at = reinterpret_cast<const char*>(a.compressed + first);
+  sweep.end = reinterpret_cast<const char*>(a.compressed + std::min(last, a.values_count));
+  sweep.then = reinterpret_cast<const char*>(a.bitmask + n * mask_bytes);
+  sweep.then_end = reinterpret_cast<const char*>(a.bitmask + n_end * mask_bytes);
+  return sweep;
 }
 
-// Rows [n, n + 16 * vectors) (those before n_end), pairs [p0, p0 + count) of the layer, as
-// pairs[v * kBlockPairs + p - p0] (rows past n_end are zeros), each row's values from next[r].
-// `whole`: every row of the block is before n_end, and none reads past the layer's values.
-WS_TARGET void lay_out(const GemmArgs& a, const uint16_t** next, int64_t n, int64_t vectors,
-                       int64_t p0, int64_t count, bool whole, __m512i* pairs) {
+// Rows [n, n + rows) of the layer, inputs [k0, k0 + width), expanded into `expanded` (row r at
+// r * stride, 0 past the layer's K), each row's values from next[r] on (advanced);
+// `unchecked`: no 32 values loaded from any of these rows pass the layer's.
+WS_TARGET void expand_chunk(const GemmArgs& a, const uint16_t** next, int64_t n, int64_t rows,
+                            int64_t k0, int64_t width, bool unchecked, uint16_t* expanded,
+                            int64_t stride) {
   const int64_t mask_bytes = (a.K + 7) / 8;
   const uint16_t* end = a.compressed + a.values_count;
-  for (int64_t p = p0; p < p0 + count; p += 16) {
-    const int64_t k = 2 * p, inputs = std::min<int64_t>(32, a.K - k);
-    for (int64_t v = 0; v < vectors; ++v) {
-      __m512 rows[16];
-      if (whole && inputs == 32) {
-        expand_16_rows(a.bitmask + (n + kLanes * v) * mask_bytes, mask_bytes, k,
-                       next + kLanes * v, rows);
-      } else {
-        for (int i = 0; i < 16; ++i) {
-          const int64_t r = kLanes * v + i;
-          rows[i] = n + r < a.n_end ? _mm512_castsi512_ps(expand_next(
-                                          a.bitmask + (n + r) * mask_bytes, k, inputs, next[r], end))
-                                    : _mm512_setzero_ps();
+  const int64_t whole = width & ~int64_t(31);
+  for (int64_t r0 = 0; r0 < rows; r0 += kExpandSide) {
+    const int64_t side = std::min(kExpandSide, rows - r0);
+    const uint8_t* masks = a.bitmask + (n + r0) * mask_bytes + k0 / 8;
+    uint16_t* out = expanded + r0 * stride;
+    if (unchecked && side == kExpandSide) {  // kExpandSide pointer chains side by side
+      const uint16_t* values[kExpandSide];
+      for (int i = 0; i < kExpandSide; ++i) values[i] = next[r0 + i];
+      for (int64_t k = 0; k < whole; k += 32)
+        for (int i = 0; i < kExpandSide; ++i) {
+          uint32_t mask;
+          std::memcpy(&mask, masks + i * mask_bytes + k / 8, sizeof(mask));
+          _mm512_storeu_si512(out + i * stride + k, expand32<false, false>(mask, values[i]));
+          values[i] += __builtin_popcount(mask);
         }
+      for (int i = 0; i < kExpandSide; ++i) next[r0 + i] = values[i];
+    } else {
+      for (int i = 0; i < side; ++i)
+        for (int64_t k = 0; k < whole; k += 32) {
+          const uint32_t mask = mask_bits(masks + i * mask_bytes, k, 32);
+          const int count = __builtin_popcount(mask);
+          _mm512_storeu_si512(out + i * stride + k,
+                              expand32<false>(mask, next[r0 + i], count, end));
+          next[r0 + i] += count;
+        }
+    }
+    if (whole < width)  // the layer's last inputs: only their bytes
+      for (int i = 0; i < side; ++i) {
+        const uint32_t mask = mask_bits(masks + i * mask_bytes, whole, width - whole);
+        const int count = __builtin_popcount(mask);
+        _mm512_storeu_si512(out + i * stride + whole,
+                            expand32<false>(mask, next[r0 + i], count, end));
+        next[r0 + i] += count;
       }
-      transpose16(rows);  // now pair p + j of the 16 rows
-      const int64_t at = v * kBlockPairs + (p - p0), here = std::min<int64_t>(16, p0 + count - p);
-      for (int64_t j = 0; j < here; ++j) pairs[at + j] = _mm512_castps_si512(rows[j]);
-    }
   }
 }
 
-// sums[t][16 v + r] (+)= sum over `count` pairs p of row r's w[2p] x[t][2p] + w[2p+1]
-// x[t][2p+1], for V registers of rows (kBlockPairs apart) and T tokens from x (row stride ldx,
-// at the panel's first pair); `first` starts the sums at zero.
-template <int V, int T>
-WS_TARGET void micro(const __m512i* pairs, const uint16_t* x, int64_t ldx, int64_t count,
-                     float* sums, bool first) {
-  __m512 acc[V][T];
-  for (int v = 0; v < V; ++v)
-    for (int t = 0; t < T; ++t)
-      acc[v][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + t * kBlockRows + 16 * v);
-  for (int64_t p = 0; p < count; ++p) {
-    __m512i w[V];
-    for (int v = 0; v < V; ++v) w[v] = _mm512_load_si512(pairs + v * kBlockPairs + p);
-    for (int t = 0; t < T; ++t) {
+// sums[r * lanes + 16 v + t] (+)= the sum over `pairs` pairs p of row r's (w[2p], w[2p + 1])
+// times token t's (x[2p], x[2p + 1]), for R rows of `expanded` (row stride Stride) and TV
+// registers of tokens of `packed` (the tile's words at the chunk's first pair);
+// `first` starts the sums at zero. Every `every` pairs the sweep asks for its next line.
+template <int R, int TV, int64_t Stride>
+WS_TARGET void micro(const uint16_t* expanded, const uint32_t* packed,
+                     int64_t lanes, int64_t pairs, float* sums, bool first, Sweep& sweep,
+                     int64_t every) {
+  __m512 acc[R][TV];
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 4") for (int v = 0; v < TV; ++v)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * lanes + 16 * v);
+  int64_t wait = every;
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (--wait == 0) {
+      wait = every;
+      sweep.step();
+    }
+    __m512i tokens[TV];
+    _Pragma("GCC unroll 4") for (int v = 0; v < TV; ++v)
+      tokens[v] = _mm512_loadu_si512(packed + p * (16 * TV) + 16 * v);
+    _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) {  // unrolled: acc stays in registers
       int two;
-      std::memcpy(&two, x + t * ldx + 2 * p, sizeof(two));
-      const __m512i inputs = _mm512_set1_epi32(two);
-      for (int v = 0; v < V; ++v)
-        acc[v][t] = _mm512_dpbf16_ps(acc[v][t], (__m512bh)w[v], (__m512bh)inputs);
+      std::memcpy(&two, expanded + r * Stride + 2 * p, sizeof(two));
+      const __m512i weights = _mm512_set1_epi32(two);
+      _Pragma("GCC unroll 4") for (int v = 0; v < TV; ++v)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)tokens[v], (__m512bh)weights);
     }
   }
-  for (int v = 0; v < V; ++v)
-    for (int t = 0; t < T; ++t) _mm512_storeu_ps(sums + t * kBlockRows + 16 * v, acc[v][t]);
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 4") for (int v = 0; v < TV; ++v)
+      _mm512_storeu_ps(sums + r * lanes + 16 * v, acc[r][v]);
 }
 
-// micro<V, .> over `tokens` tokens: tiles of kTile, then the rest.
-template <int V>
-WS_TARGET void tokens_tiled(const __m512i* pairs, const uint16_t* x, int64_t ldx, int64_t count,
-                            float* sums, int64_t tokens, bool first) {
+// Every tile of tokens (of `lanes`, a multiple of 16: 32 at a time, then 16) and group of
+// 24 / TV rows (of `rows`, a multiple of 24) over a block's expanded chunk; the sweep asks for
+// `lines` lines, spread over the work.
+template <int64_t Stride>
+WS_TARGET void multiply_chunk(const uint16_t* expanded, const uint32_t* packed, int64_t all_pairs,
+                              int64_t p0, int64_t lanes, int64_t pairs, float* sums, int64_t rows,
+                              bool first, Sweep& sweep, int64_t lines) {
+  const int64_t steps = (lanes / 32 * 2 + lanes % 32 / 16) * (rows / 24) * pairs;
+  const int64_t every = lines > 0 ? std::max<int64_t>(1, steps / lines) : steps + 1;
   int64_t t = 0;
-  for (; t + kTile <= tokens; t += kTile)
-    micro<V, kTile>(pairs, x + t * ldx, ldx, count, sums + t * kBlockRows, first);
-  x += t * ldx, sums += t * kBlockRows;
-  switch (tokens - t) {
-    case 11: micro<V, 11>(pairs, x, ldx, count, sums, first); break;
-    case 10: micro<V, 10>(pairs, x, ldx, count, sums, first); break;
-    case 9: micro<V, 9>(pairs, x, ldx, count, sums, first); break;
-    case 8: micro<V, 8>(pairs, x, ldx, count, sums, first); break;
-    case 7: micro<V, 7>(pairs, x, ldx, count, sums, first); break;
-    case 6: micro<V, 6>(pairs, x, ldx, count, sums, first); break;
-    case 5: micro<V, 5>(pairs, x, ldx, count, sums, first); break;
-    case 4: micro<V, 4>(pairs, x, ldx, count, sums, first); break;
-    case 3: micro<V, 3>(pairs, x, ldx, count, sums, first); break;
-    case 2: micro<V, 2>(pairs, x, ldx, count, sums, first); break;
-    case 1: micro<V, 1>(pairs, x, ldx, count, sums, first); break;
-    default: break;
+  for (; t + 32 <= lanes; t += 32)
+    for (int64_t r = 0; r < rows; r += 12)
+      micro<12, 2, Stride>(expanded + r * Stride, packed + t * all_pairs + p0 * 32, lanes, pairs,
+                           sums + r * lanes + t, first, sweep, every);
+  if (t < lanes)
+    for (int64_t r = 0; r < rows; r += 24)
+      micro<24, 1, Stride>(expanded + r * Stride, packed + t * all_pairs + p0 * 16, lanes, pairs,
+                           sums + r * lanes + t, first, sweep, every);
+}
+
+// y[t][n + r] = bfloat16(sums[r * lanes + t] + bias[n + r]) for a block's `rows` rows and
+// `tokens` tokens.
+WS_TARGET void store_sums(const GemmArgs& a, const float* sums, int64_t lanes, int64_t n,
+                          int64_t rows, int64_t tokens) {
+  for (int64_t r = 0; r < rows; r += 16) {
+    const int64_t count = std::min<int64_t>(16, rows - r);
+    const __mmask16 kept = __mmask16((uint32_t(1) << count) - 1);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(kept, a.bias + n + r) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < tokens; t += 16) {
+      __m512 block[16];
+      for (int i = 0; i < 16; ++i)
+        block[i] = i < count ? _mm512_loadu_ps(sums + (r + i) * lanes + t) : _mm512_setzero_ps();
+      transpose16(block);  // now token t + j's 16 rows
+      const int64_t here = std::min<int64_t>(16, tokens - t);
+      for (int64_t j = 0; j < here; ++j)
+        _mm256_mask_storeu_epi16(a.y + (t + j) * a.ldy + n + r, kept,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(block[j], bias)));
+    }
   }
 }
 
-// The block's `vectors` registers of rows over one panel, for `tokens` tokens.
-WS_TARGET void panel(const __m512i* pairs, int64_t vectors, const uint16_t* x, int64_t ldx,
-                     int64_t count, float* sums, int64_t tokens, bool first) {
-  int64_t v = 0;
-  for (; v + 2 <= vectors; v += 2)
-    tokens_tiled<2>(pairs + v * kBlockPairs, x, ldx, count, sums + 16 * v, tokens, first);
-  if (v < vectors)
-    tokens_tiled<1>(pairs + v * kBlockPairs, x, ldx, count, sums + 16 * v, tokens, first);
-}
-
-// Rows [first, first + rows) of the next chunk (its values from start[r] on, about span[r] of
-// them, and its bitmask from input k): asked for into L2 while the micro-kernel computes, so
-// that the next lay_out finds them there.
-WS_TARGET inline void prefetch_rows(const GemmArgs& a, const uint16_t* const* start,
-                                    const int64_t* span, int64_t n, int64_t first, int64_t rows,
-                                    int64_t k) {
-  const int64_t mask_bytes = (a.K + 7) / 8;
-  for (int64_t r = first; r < first + rows && n + r < a.n_end; ++r) {
-    const char* from = reinterpret_cast<const char*>(start[r]);
-    for (int64_t byte = 0; byte < span[r] * 2; byte += 64) __builtin_prefetch(from + byte, 0, 2);
-    __builtin_prefetch(a.bitmask + (n + r) * mask_bytes + k / 8, 0, 2);
+// One block of rows [n, n + rows) for a pass of tokens (packed, `lanes` of them) into sums,
+// asking for the next block's bytes (rows [n + rows, ahead_end)) along the way.
+template <int64_t Chunk>
+WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t rows,
+                     int64_t ahead_end, const uint32_t* packed, int64_t lanes) {
+  constexpr int64_t stride = row_stride(Chunk);
+  const int64_t padded = (rows + 23) / 24 * 24;  // rows past `rows` stay zeros
+  const int64_t chunks = (a.K + Chunk - 1) / Chunk;
+  const bool unchecked = loads_stay_in_layer(a.row_offsets, n + rows - 1, a.K, a.values_count);
+  for (int64_t r = 0; r < rows; ++r) buffers.next[r] = a.compressed + a.row_offsets[n + r];
+  std::memset(buffers.expanded + rows * stride, 0, (padded - rows) * stride * sizeof(uint16_t));
+  Sweep sweep = sweep_of(a, n + rows, ahead_end);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k0 = c * Chunk, width = std::min(Chunk, a.K - k0);
+    expand_chunk(a, buffers.next, n, rows, k0, width, unchecked, buffers.expanded, stride);
+    const int64_t lines = (sweep.lines_left() + chunks - c - 1) / (chunks - c);
+    multiply_chunk<stride>(buffers.expanded, packed, (a.K + 1) / 2, k0 / 2, lanes, (width + 1) / 2,
+                           buffers.sums, padded, c == 0, sweep, lines);
   }
 }
 
 }  // namespace
 
+int64_t bitmask_gemm_tokens_per_pass(int64_t K) {
+  return std::clamp<int64_t>(kPackedBytes / (4 * ((K + 1) / 2)) / 32 * 32, 32, kTokensPerPass);
+}
+
+int64_t bitmask_gemm_packed_words(int64_t tokens, int64_t K) {
+  return (tokens + 15) / 16 * 16 * ((K + 1) / 2);
+}
+
+// Token t's inputs (2p, 2p + 1) (0 past K and past `tokens`) go to its tile's run: tiles of 32
+// tokens (the last of 16 where the lanes, tokens rounded up to 16, end there), each tile's
+// words pair after pair; pairs [pair_begin, pair_end) here (multiples of 16, or the end).
+WS_TARGET void pack_pairs_avx512_bf16(const uint16_t* x, int64_t ldx, int64_t tokens, int64_t K,
+                                      int64_t pair_begin, int64_t pair_end, uint32_t* packed) {
+  const int64_t pairs = (K + 1) / 2, lanes = (tokens + 15) / 16 * 16;
+  for (int64_t t = 0; t < lanes; t += 16)
+    for (int64_t p = pair_begin; p < pair_end; p += 16) {
+      const int64_t k = 2 * p, inputs = std::min<int64_t>(32, K - k);
+      const __mmask32 load = inputs >= 32 ? ~__mmask32(0) : (__mmask32(1) << inputs) - 1;
+      __m512 words[16];
+      for (int i = 0; i < 16; ++i)
+        words[i] = t + i < tokens
+                       ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(load, x + (t + i) * ldx + k))
+                       : _mm512_setzero_ps();
+      transpose16(words);  // now pair p + j of the 16 tokens
+      const int64_t tile = t & ~int64_t(31), width = tile + 32 <= lanes ? 32 : 16;
+      uint32_t* to = packed + tile * pairs + (t - tile);
+      for (int64_t j = 0; j < std::min<int64_t>(16, pair_end - p); ++j)
+        _mm512_storeu_ps(reinterpret_cast<float*>(to + (p + j) * width), words[j]);
+    }
+}
+
 WS_TARGET void bitmask_gemm_avx512_bf16(const GemmArgs& a) {
   Scratch& buffers = scratch();
-  const int64_t all_pairs = a.K / 2;
-  for (int64_t t0 = 0; t0 < a.M; t0 += kTokensPerPass) {
-    const int64_t tokens = std::min(kTokensPerPass, a.M - t0);
-    for (int64_t n = a.n_begin; n < a.n_end; n += kBlockRows) {
-      const int64_t vectors = std::min(kBlockVectors, (a.n_end - n + kLanes - 1) / kLanes);
-      const int64_t last = std::min(n + kBlockRows, a.n_end) - 1;
-      const bool whole = last == n + kBlockRows - 1 &&
-                         loads_stay_in_layer(a.row_offsets, last, a.K, a.values_count);
-      for (int64_t r = 0; r < kBlockRows && n + r < a.n_end; ++r) {
-        buffers.next[r] = a.compressed + a.row_offsets[n + r];
-        const int64_t row_end = n + r + 1 < a.n_end ? a.row_offsets[n + r + 1] : a.values_count;
-        buffers.span[r] = (row_end - a.row_offsets[n + r]) * 2 * kBlockPairs / a.K + 32;
-      }
-      for (int64_t p0 = 0; p0 < all_pairs; p0 += kBlockPairs) {
-        const int64_t count = std::min(kBlockPairs, all_pairs - p0);
-        lay_out(a, buffers.next, n, vectors, p0, count, whole, buffers.pairs);
-        const bool more = p0 + kBlockPairs < all_pairs;
-        const int64_t panels = (count + kPanel - 1) / kPanel;
-        const int64_t share = (kBlockRows + panels - 1) / panels;
-        for (int64_t p = 0, i = 0; p < count; p += kPanel, ++i) {  // a panel's pairs stay in L1
-          if (more)
-            prefetch_rows(a, buffers.next, buffers.span, n, i * share, share, 2 * (p0 + count));
-          panel(buffers.pairs + p, vectors, a.x + t0 * a.ldx + 2 * (p0 + p), a.ldx,
-                std::min(kPanel, count - p), buffers.sums, tokens, p0 == 0 && p == 0);
-        }
-      }
-      store_block<kBlockRows>(a, buffers.sums, n, t0, tokens);
+  const int64_t lanes = (a.M + 15) / 16 * 16;
+  const bool few = lanes <= kFewTokensUpTo;
+  const int64_t block_rows = few ? kFewTokensRows : kManyTokensRows;
+  for (int64_t n = a.n_begin; n < a.n_end; n += block_rows) {
+    const int64_t rows = std::min(block_rows, a.n_end - n);
+    const int64_t ahead_end = std::min(n + 2 * block_rows, a.n_end);
+    if (few) {
+      block<kFewTokensChunk>(a, buffers, n, rows, ahead_end, a.packed, lanes);
+    } else {
+      block<kManyTokensChunk>(a, buffers, n, rows, ahead_end, a.packed, lanes);
     }
+    store_sums(a, buffers.sums, lanes, n, rows, a.M);
   }
 }
 

@@ -16,8 +16,8 @@
 //                                        gemm_from, tiled_from)
 //       the same for an unstructured W (bitmask_format's layout): the row kernels (their
 //       pointers advancing by each mask's popcount) below gemm_from, the unstructured GEMM
-//       (avx512_bf16_bitmask_gemm.cpp; bfloat16 on avx512_bf16 kernels, an even in_features)
-//       from it, the tiles from tiled_from.
+//       (avx512_bf16_bitmask_gemm.cpp; bfloat16 on avx512_bf16 kernels) from it, the tiles
+//       from tiled_from.
 //   whisper_sparse_cpu::decompress(compressed, bitmask, in_features), and
 //   bitmask_decompress(values, bitmask, row_offsets, in_features): the dense W (tests).
 //   whisper_sparse_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
@@ -30,6 +30,7 @@
 #include <atomic>
 #include <string>
 
+#include "op_gemm.h"
 #include "sparse_kernels.h"
 
 namespace whisper_sparse {
@@ -218,36 +219,10 @@ at::Tensor row_kernel_linear(const at::Tensor& x2, const at::Tensor& compressed,
   return y;
 }
 
-// Whether the GEMMs (2:4 and unstructured) run x of this dtype with these weights here (the
-// unstructured one with an even in_features only).
-bool gemm_runs(const at::Tensor& x2, const at::Tensor& compressed, int64_t in_features) {
+// Whether the GEMMs (2:4 and unstructured) run x of this dtype with these weights here.
+bool gemm_runs(const at::Tensor& x2, const at::Tensor& compressed) {
   return active_isa() == kAvx512Bf16 && x2.scalar_type() == at::kBFloat16 &&
-         compressed.scalar_type() == at::kBFloat16 && in_features % 2 == 0;
-}
-
-// The 2:4 GEMM, or with row offsets the unstructured one.
-at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                       const at::Tensor& bitmask, const int64_t* offsets,
-                       const c10::optional<at::Tensor>& bias, int64_t in_features) {
-  const int64_t tokens = x2.size(0), rows = bitmask.size(0);
-  const at::Tensor bias32 = bias.has_value() && bias->defined()
-                                ? bias->to(at::kFloat).contiguous()
-                                : at::Tensor();
-  at::Tensor y = at::empty({tokens, rows}, x2.options());
-  GemmArgs args{static_cast<const uint16_t*>(x2.data_ptr()), in_features,
-                static_cast<const uint16_t*>(compressed.data_ptr()), bitmask.data_ptr<uint8_t>(),
-                bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-                static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0,
-                offsets, compressed.numel()};
-  const auto kernel = offsets != nullptr ? bitmask_gemm_avx512_bf16 : gemm_avx512_bf16;
-  // threads take whole groups of 16 rows (one register of rows)
-  at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t first, int64_t last) {
-    GemmArgs part = args;
-    part.n_begin = first * 16;
-    part.n_end = std::min(rows, last * 16);
-    kernel(part);
-  });
-  return y;
+         compressed.scalar_type() == at::kBFloat16;
 }
 
 // x as [M, in_features], after checking it.
@@ -275,7 +250,7 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& compressed, const 
   at::Tensor y;
   if (x2.size(0) >= tiled_from) {
     y = tiled_linear(x2, compressed, bitmask, offsets, bias, in_features);
-  } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed, in_features)) {
+  } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed)) {
     y = gemm_linear(x2, compressed, bitmask, offsets, bias, in_features);
   } else {
     y = row_kernel_linear(x2, compressed, bitmask, offsets, bias, in_features);

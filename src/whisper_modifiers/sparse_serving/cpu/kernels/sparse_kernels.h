@@ -133,19 +133,28 @@ struct GemmArgs {
   int64_t K;
   int64_t n_begin;
   int64_t n_end;
-  // An unstructured layer (bitmask_gemm_avx512_bf16 only): as in RowsArgs.
+  // An unstructured layer (bitmask_gemm_avx512_bf16 only): as in RowsArgs, and x packed by
+  // pack_pairs_avx512_bf16 for its M tokens (at most bitmask_gemm_tokens_per_pass(K)).
   const int64_t* row_offsets = nullptr;
   int64_t values_count = 0;
+  const uint32_t* packed = nullptr;
 };
 
 // avx512_bf16_gemm.cpp (AVX-512 F/BW/VL/VBMI2 with BF16)
 void gemm_avx512_bf16(const GemmArgs& args);
 
-// The unstructured GEMM (avx512_bf16_bitmask_gemm.cpp), for the same batches as the 2:4 GEMM:
-// a block of rows is expanded once per call (vpexpandw by each row's mask, its pointer advancing
-// by the mask's popcount) into the layout of vdpbf16ps (16 rows x 2 inputs per register), and a
-// register-blocked micro-kernel runs every token over it. An even K only (x is read two inputs at
-// a time).
+// The unstructured GEMM (avx512_bf16_bitmask_gemm.cpp), for the same batches as the 2:4 GEMM,
+// one pass of tokens at a time: x is packed once per pass as pairs of inputs (16 tokens per
+// register; pack_pairs_avx512_bf16 packs pairs [pair_begin, pair_end), multiples of 16 or the
+// end, into bitmask_gemm_packed_words(tokens, K) words, so that threads share the work and the
+// result), then each thread's block of rows is expanded once per pass (vpexpandw by each row's
+// mask, its pointer advancing by the mask's popcount) into a row-major buffer, and a
+// register-blocked micro-kernel broadcasts each row's pair of weights into vdpbf16ps over every
+// token. Any K (an odd K's last pair is padded with a zero).
+int64_t bitmask_gemm_tokens_per_pass(int64_t K);
+int64_t bitmask_gemm_packed_words(int64_t tokens, int64_t K);
+void pack_pairs_avx512_bf16(const uint16_t* x, int64_t ldx, int64_t tokens, int64_t K,
+                            int64_t pair_begin, int64_t pair_end, uint32_t* packed);
 void bitmask_gemm_avx512_bf16(const GemmArgs& args);
 
 }  // namespace whisper_sparse

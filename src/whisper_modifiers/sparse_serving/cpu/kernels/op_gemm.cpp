@@ -1,0 +1,90 @@
+// The op's GEMM path (op.cpp's gemm_linear, where gemm_runs): the 2:4 GEMM, or for an
+// unstructured layer the unstructured one in passes of tokens, over the threads.
+#include "op_gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "sparse_kernels.h"
+
+namespace whisper_sparse {
+namespace {
+
+// The GEMM `kernel` over args' rows, the threads taking whole groups of 16 rows (one register
+// of rows).
+void rows_in_parallel(void (*kernel)(const GemmArgs&), const GemmArgs& args, int64_t rows) {
+  at::parallel_for(0, (rows + 15) / 16, 4, [&](int64_t first, int64_t last) {
+    GemmArgs part = args;
+    part.n_begin = first * 16;
+    part.n_end = std::min(rows, last * 16);
+    kernel(part);
+  });
+}
+
+// A pass's packed x, kept per calling thread and grown as needed (64-byte aligned).
+struct PackedX {
+  uint32_t* words = nullptr;
+  int64_t size = 0;
+  uint32_t* at_least(int64_t count) {
+    if (count > size) {
+      std::free(words);
+      const int64_t grown = (count + 15) / 16 * 16;
+      words = static_cast<uint32_t*>(std::aligned_alloc(64, grown * sizeof(uint32_t)));
+      size = words != nullptr ? grown : 0;
+      TORCH_CHECK(words != nullptr, "the unstructured GEMM could not allocate ", grown * 4,
+                  " bytes");
+    }
+    return words;
+  }
+  ~PackedX() { std::free(words); }
+};
+
+// The unstructured GEMM in passes of tokens: each pass's x packed by all threads into one
+// buffer, then their rows.
+void bitmask_gemm_in_passes(const GemmArgs& args, int64_t rows) {
+  static thread_local PackedX packed;
+  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = (args.K + 1) / 2;
+  for (int64_t t0 = 0; t0 < args.M; t0 += per_pass) {
+    const int64_t tokens = std::min(per_pass, args.M - t0);
+    uint32_t* to = packed.at_least(bitmask_gemm_packed_words(tokens, args.K));
+    const uint16_t* x = args.x + t0 * args.ldx;
+    at::parallel_for(0, (pairs + 15) / 16, 16, [&](int64_t first, int64_t last) {
+      pack_pairs_avx512_bf16(x, args.ldx, tokens, args.K, first * 16, std::min(pairs, last * 16),
+                             to);
+    });
+    GemmArgs pass = args;
+    pass.x = x;
+    pass.y = args.y + t0 * args.ldy;
+    pass.M = tokens;
+    pass.packed = to;
+    rows_in_parallel(bitmask_gemm_avx512_bf16, pass, rows);
+  }
+}
+
+}  // namespace
+
+// The 2:4 GEMM, or with row offsets the unstructured one.
+at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
+                       const at::Tensor& bitmask, const int64_t* offsets,
+                       const c10::optional<at::Tensor>& bias, int64_t in_features) {
+  const int64_t tokens = x2.size(0), rows = bitmask.size(0);
+  const at::Tensor bias32 = bias.has_value() && bias->defined()
+                                ? bias->to(at::kFloat).contiguous()
+                                : at::Tensor();
+  at::Tensor y = at::empty({tokens, rows}, x2.options());
+  GemmArgs args{static_cast<const uint16_t*>(x2.data_ptr()), in_features,
+                static_cast<const uint16_t*>(compressed.data_ptr()), bitmask.data_ptr<uint8_t>(),
+                bias32.defined() ? bias32.data_ptr<float>() : nullptr,
+                static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0,
+                offsets, compressed.numel()};
+  if (offsets != nullptr) {
+    bitmask_gemm_in_passes(args, rows);
+  } else {
+    rows_in_parallel(gemm_avx512_bf16, args, rows);
+  }
+  return y;
+}
+
+}  // namespace whisper_sparse

@@ -1,0 +1,17 @@
+// The op's GEMM path (op_gemm.cpp), which op.cpp's torch ops take from gemm_from tokens on
+// where gemm_runs (bfloat16 on avx512_bf16 kernels).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace whisper_sparse {
+
+// y = x2 W^T (+ bias) in bfloat16 for x2 [M, in_features] bfloat16 and a bfloat16 W: the 2:4
+// GEMM, or with row offsets (an unstructured layer's) the unstructured one.
+at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
+                       const at::Tensor& bitmask, const int64_t* offsets,
+                       const c10::optional<at::Tensor>& bias, int64_t in_features);
+
+}  // namespace whisper_sparse
