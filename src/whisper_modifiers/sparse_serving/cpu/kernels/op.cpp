@@ -6,8 +6,8 @@
 //       tokens M (the thresholds come from cpu_plans' measurements):
 //       * M < gemm_from (decode): the row kernels expand the kept values in registers;
 //       * gemm_from <= M < tiled_from, for bfloat16 x and W where the kernels are avx512_bf16:
-//         the 2:4 GEMM (avx512_bf16_gemm.cpp), which multiplies the kept values
-//         only; elsewhere the row kernels;
+//         the 2:4 GEMM (avx512_bf16_gemm.cpp, run over the threads by op_gemm.cpp), which
+//         multiplies the kept values only; elsewhere the row kernels;
 //       * M >= tiled_from: cache-sized tiles of W are expanded into a buffer and multiplied by
 //         ATen's dense GEMM (oneDNN; AMX where the CPU has it), in bfloat16 where the kernels
 //         are avx512_bf16, else in float32 (tile_dtype).
