@@ -59,10 +59,10 @@ namespace {
 constexpr int64_t kFewTokensUpTo = 64;
 constexpr int64_t kFewTokensRows = 24, kFewTokensChunk = 4096;
 constexpr int64_t kManyTokensRows = 48, kManyTokensChunk = 1024;
-constexpr int64_t kMostRows = 48;
-constexpr int64_t kMostRowStride = 4096 + 32;
 // The expanded rows' stride: 64 bytes off a power of two, so that rows fall apart in L1.
 constexpr int64_t row_stride(int64_t chunk) { return chunk + 32; }
+constexpr int64_t kMostRows = std::max(kFewTokensRows, kManyTokensRows);
+constexpr int64_t kMostRowStride = row_stride(std::max(kFewTokensChunk, kManyTokensChunk));
 constexpr int64_t kTokensPerPass = 512;         // at most (a multiple of 32)
 constexpr int64_t kPackedBytes = int64_t(8) << 20;  // packed x of a pass, at most (shared)
 constexpr int64_t kExpandSide = 8;              // rows expanded side by side
@@ -239,11 +239,12 @@ WS_TARGET void store_sums(const GemmArgs& a, const float* sums, int64_t lanes, i
   }
 }
 
-// One block of rows [n, n + rows) for a pass of tokens (packed, `lanes` of them) into sums,
-// asking for the next block's bytes (rows [n + rows, ahead_end)) along the way.
+// One block of rows [n, n + rows) for a pass of tokens (a.packed, `lanes` of them: a.M rounded
+// up to 16) into sums, asking for the next block's bytes (rows [n + rows, ahead_end)) along the
+// way.
 template <int64_t Chunk>
 WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t rows,
-                     int64_t ahead_end, const uint32_t* packed, int64_t lanes) {
+                     int64_t ahead_end, int64_t lanes) {
   constexpr int64_t stride = row_stride(Chunk);
   const int64_t padded = (rows + 23) / 24 * 24;  // rows past `rows` stay zeros
   const int64_t chunks = (a.K + Chunk - 1) / Chunk;
@@ -255,8 +256,8 @@ WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t row
     const int64_t k0 = c * Chunk, width = std::min(Chunk, a.K - k0);
     expand_chunk(a, buffers.next, n, rows, k0, width, unchecked, buffers.expanded, stride);
     const int64_t lines = (sweep.lines_left() + chunks - c - 1) / (chunks - c);
-    multiply_chunk<stride>(buffers.expanded, packed, (a.K + 1) / 2, k0 / 2, lanes, (width + 1) / 2,
-                           buffers.sums, padded, c == 0, sweep, lines);
+    multiply_chunk<stride>(buffers.expanded, a.packed, (a.K + 1) / 2, k0 / 2, lanes,
+                           (width + 1) / 2, buffers.sums, padded, c == 0, sweep, lines);
   }
 }
 
@@ -302,9 +303,9 @@ WS_TARGET void bitmask_gemm_avx512_bf16(const GemmArgs& a) {
     const int64_t rows = std::min(block_rows, a.n_end - n);
     const int64_t ahead_end = std::min(n + 2 * block_rows, a.n_end);
     if (few) {
-      block<kFewTokensChunk>(a, buffers, n, rows, ahead_end, a.packed, lanes);
+      block<kFewTokensChunk>(a, buffers, n, rows, ahead_end, lanes);
     } else {
-      block<kManyTokensChunk>(a, buffers, n, rows, ahead_end, a.packed, lanes);
+      block<kManyTokensChunk>(a, buffers, n, rows, ahead_end, lanes);
     }
     store_sums(a, buffers.sums, lanes, n, rows, a.M);
   }
