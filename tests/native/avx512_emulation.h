@@ -207,6 +207,13 @@ inline __m512i _mm512_maskz_expand_epi16(__mmask32 k, __m512i a) {
   return r;
 }
 
+inline __m512i _mm512_mask_expand_epi16(__m512i src, __mmask32 k, __m512i a) {
+  __m512i r = src;
+  for (int i = 0, j = 0; i < 32; ++i)
+    if (k >> i & 1) r.u16[i] = a.u16[j++];
+  return r;
+}
+
 inline __m256i _mm256_maskz_expand_epi16(__mmask16 k, __m256i a) {
   __m256i r{};
   for (int i = 0, j = 0; i < 16; ++i)
