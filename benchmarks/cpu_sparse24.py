@@ -9,7 +9,8 @@ For each projection of Llama-2-7B and Llama-3-8B as vLLM runs it (qkv and gate_u
 random weights pruned 2:4 by magnitude, at each token count: dense ``F.linear`` on the
 dense weight against the op on the compressed tensors (``sparse_serving.cpu.op``: the op
 with the measured plan's choice, as served, and each of its paths: row kernels up to
-``--rows-up-to`` tokens, the 2:4 GEMM where it runs, the tiles). Distinct copies of the
+``--rows-up-to`` tokens, the GEMMs where they run (for 2:4 layers the 2:4 GEMM and the
+unstructured one over their rows, "lanes"), the tiles). Distinct copies of the
 weights are cycled (at least ``--working-set`` MiB of each) so that no call finds its
 weight in cache: decode reads every weight from memory, as in a served model. The sides
 alternate, one pass each per round, and every time is the median over ``--repeats``
@@ -105,13 +106,15 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     if sparsity == "2:4":
         dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
         stored = [compress_24(weight) for weight in dense]
-        runs = [lambda x, t, g, c=c, b=b: sparse24_cpu_linear(x, c, b, None, columns, t, g)
+        runs = [lambda x, t, g, lanes, c=c, b=b: sparse24_cpu_linear(x, c, b, None, columns, t,
+                                                                     g, lanes)
                 for c, b in stored]  # fmt: skip
         return dense, rows * (columns // 2 * dtype.itemsize + -(-columns // 8)), runs
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
-    runs = [lambda x, t, g, v=v, b=b, o=o: bitmask_cpu_linear(x, v, b, o, None, columns, t, g)
+    runs = [lambda x, t, g, lanes, v=v, b=b, o=o: bitmask_cpu_linear(x, v, b, o, None, columns,
+                                                                     t, g)
             for v, b, o in stored]  # fmt: skip
     values, bitmask, offsets = stored[0]
     size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
@@ -123,8 +126,8 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     import torch
     import torch.nn.functional as F
 
-    from whisper_modifiers.sparse_serving.cpu.op import NO_TILES, gemm_runs
-    from whisper_modifiers.sparse_serving.cpu.plans import cpu_plan
+    from whisper_modifiers.sparse_serving.cpu.op import gemm_runs
+    from whisper_modifiers.sparse_serving.cpu.plans import PATH_THRESHOLDS, cpu_plan
 
     dense_bytes = rows * columns * dtype.itemsize
     copies = max(2, -(-args.working_set * 2**20 // dense_bytes))
@@ -132,8 +135,7 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     plan = cpu_plan(rows, columns, dtype, None if sparsity == "2:4" else 1 - float(sparsity))
     linear_for = vllm_dense_linear()
     vllm_dense = [linear_for(weight) for weight in dense] if linear_for else []
-    paths = {"op": (plan.tiled_from, plan.gemm_from), "rows": (NO_TILES, NO_TILES),
-             "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}  # fmt: skip
+    paths = {"op": (plan.tiled_from, plan.gemm_from, plan.lanes_until)} | PATH_THRESHOLDS
     gemm = gemm_runs(dtype, dtype)
     results = []
     with torch.no_grad():
@@ -142,11 +144,13 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
             sides = {"dense": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
             if vllm_dense:
                 sides["vllm_dense"] = [lambda f=f, x=x: f(x) for f in vllm_dense]
-            for label, (tiled_from, gemm_from) in paths.items():
-                if (label == "rows" and count > args.rows_up_to) or (label == "gemm" and not gemm):
+            for label, (tiled_from, gemm_from, lanes) in paths.items():
+                if ((label == "rows" and count > args.rows_up_to)
+                        or (label in ("gemm", "lanes") and not gemm)
+                        or (label == "lanes" and sparsity != "2:4")):  # fmt: skip
                     continue
-                sides[label] = [lambda r=r, t=tiled_from, g=gemm_from, x=x: r(x, t, g)
-                                for r in runs]  # fmt: skip
+                sides[label] = [lambda r=r, t=tiled_from, g=gemm_from, lanes=lanes, x=x:
+                                r(x, t, g, lanes) for r in runs]  # fmt: skip
             times = alternating_medians(sides, args.repeats)
             row = {"tokens": count, "seconds": times, "copies": copies,
                    "ratio": times["dense"] / times["op"], "op_path": plan.path(count),
@@ -169,23 +173,24 @@ def markdown(payload: dict) -> str:
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
              f"CPU: {payload['cpu']}", "",
              "Ratio: dense time / op time (above 1: the op is faster); the op as served "
-             "(its measured plan picks row kernels, GEMM or tiles). Each time is the "
+             "(its measured plan picks row kernels, GEMM or tiles; lanes: a 2:4 layer "
+             "in the unstructured GEMM, the tokens in the lanes). Each time is the "
              "median of rounds that run every side in turn. GiB/s: weight bytes read per "
              "second (compressed for the op); -: not measured (rows above "
-             f"{payload['rows_up_to']} tokens; the GEMM where it does not run)."
+             f"{payload['rows_up_to']} tokens; a GEMM where it does not run)."
              + (" vLLM dense: vLLM's own CPU GEMM (`onednn_mm` on a weight oneDNN packed "
                 "once), as its dense layers run; the last ratio is against it." if vllm else ""),
              "", "| model | projection | tokens | dense ms | op ms | op path | ratio | rows ms | "
-             "gemm ms | tiles ms | dense GiB/s | op GiB/s |"
+             "gemm ms | lanes ms | tiles ms | dense GiB/s | op GiB/s |"
              + (" vLLM dense ms | ratio to vLLM dense |" if vllm else ""),
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
              + ("---:|---:|" if vllm else "")]  # fmt: skip
     for key, rows in payload["shapes"].items():
         model, projection = key.split("/")
         for row in rows:
             s = row["seconds"]
             path_ms = " | ".join(f"{s[path] * 1e3:.3f}" if path in s else "-"
-                                 for path in ("rows", "gemm", "tiles"))  # fmt: skip
+                                 for path in ("rows", "gemm", "lanes", "tiles"))  # fmt: skip
             against_vllm = (f" {s['vllm_dense'] * 1e3:.3f} | **{row['vllm_ratio']:.2f}×** |"
                             if vllm else "")  # fmt: skip
             lines.append(

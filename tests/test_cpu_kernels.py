@@ -35,7 +35,11 @@ from whisper_modifiers.sparse_serving.cpu.op import (
     sparse24_cpu_linear,
     supported_isas,
 )
-from whisper_modifiers.sparse_serving.cpu.plans import plan_from_timings, random_two_four
+from whisper_modifiers.sparse_serving.cpu.plans import (
+    PATH_THRESHOLDS,
+    plan_from_timings,
+    random_two_four,
+)
 from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
 from whisper_modifiers.sparse_serving.format.two_four import compress_24, decompress_24
 
@@ -93,18 +97,21 @@ def test_decompress_kernel_equals_the_format(isa, dtype):
         assert torch.equal(decompress_24(compressed, bitmask, (rows, columns)), weight)
 
 
-# (tiled_from, gemm_from) of each path: the GEMM runs where gemm_runs says, the rows elsewhere
-PATHS = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
+# (tiled_from, gemm_from, lanes_until) of each path: the GEMMs run where gemm_runs says, the
+# rows elsewhere; "lanes": a 2:4 layer in the unstructured GEMM (an unstructured layer's GEMM)
+PATHS = PATH_THRESHOLDS
+BITMASK_PATHS = [path for path in PATHS if path != "lanes"]
 
 
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 @pytest.mark.parametrize("x_dtype", DTYPES)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
-    """Row kernels and the blocked GEMM: float32 sums of exact products, the bias added,
-    rounded once to ``x``'s dtype. Tiles: the dense GEMM with the bias, in bfloat16 for
-    bfloat16 weights where the kernels are ``avx512_bf16`` (``x`` rounded to it, the result
-    rounded once to it, then to ``x``'s dtype), else in float32 as the row kernels sum."""
+    """Row kernels and the GEMMs (the 2:4 one, and the unstructured one over the 2:4 rows):
+    float32 sums of exact products, the bias added, rounded once to ``x``'s dtype. Tiles:
+    the dense GEMM with the bias, in bfloat16 for bfloat16 weights where the kernels are
+    ``avx512_bf16`` (``x`` rounded to it, the result rounded once to it, then to ``x``'s
+    dtype), else in float32 as the row kernels sum."""
     generator = torch.Generator().manual_seed(1)
     for rows, columns in SHAPES:
         weight = integer_two_four(rows, columns, weight_dtype, generator)
@@ -135,9 +142,8 @@ def test_op_follows_the_reference_on_real_values(isa, dtype):
             bias = torch.randn(rows, generator=generator).to(dtype) if tokens % 2 else None
             reference = reference_linear(x, compressed, bitmask, bias, columns, torch.float64)
             scale = x.double().abs() @ weight.double().abs().t() + 1
-            for tiled_from, gemm_from in PATHS.values():
-                got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, tiled_from,
-                                          gemm_from)  # fmt: skip
+            for thresholds in PATHS.values():
+                got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, *thresholds)
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + eps * reference.abs()).all(), (tokens, columns)
 
@@ -163,9 +169,12 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     compressed, bitmask = compress_24(weight)
     x = torch.randn(5, 128).to(torch.bfloat16)
     op = torch.ops.whisper_sparse_cpu.linear.default
-    for tiled_from, gemm_from in PATHS.values():
-        torch.library.opcheck(op, (x, compressed, bitmask, None, 128, gemm_from, tiled_from),
-                              test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    for tiled_from, gemm_from, lanes_until in PATHS.values():
+        torch.library.opcheck(
+            op,
+            (x, compressed, bitmask, None, 128, gemm_from, tiled_from, lanes_until),
+            test_utils=("test_schema", "test_faketensor"),
+        )
 
     def layer(x):
         return torch.nn.functional.silu(sparse24_cpu_linear(x, compressed, bitmask, None, 128))
@@ -199,6 +208,30 @@ def test_plan_runs_each_token_count_on_the_path_that_won_there():
     assert (plan.gemm_from, plan.tiled_from, plan.faster_at_decode) == (16, NO_TILES, False)
     timings[2]["gemm_s"] = 4.5  # the GEMM loses at 16 tokens: from 64, after its last loss
     assert plan_from_timings(timings).gemm_from == 64
+
+
+def test_a_two_four_plan_takes_the_lanes_gemm_where_it_beat_the_two_four_gemm():
+    """A 2:4 layer's unstructured GEMM ("lanes") runs from the GEMM's start until the 2:4
+    GEMM's last loss to it; the rows weigh against the faster of the two there."""
+    timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (4, 2.0, 3.0, 3.0, 2.0),
+                             (16, 4.0, 4.2, 5.0, 4.0), (32, 6.0, 5.0, 6.0, 5.0),
+                             (64, 9.0, 7.0, 8.0, 7.0), (256, 30.0, 20.0, 25.0, 21.0)])  # fmt: skip
+    lanes = {1: 3.1, 4: 3.2, 16: 3.5, 32: 4.5, 64: 7.5, 256: 24.0}
+    for timing in timings:
+        timing["lanes_s"] = lanes[timing["tokens"]]
+    plan = plan_from_timings(timings)
+    # the 2:4 GEMM loses to the rows at 16, the lanes GEMM wins there
+    assert (plan.gemm_from, plan.lanes_until, plan.tiled_from) == (16, 64, NO_TILES)
+    assert [plan.path(t) for t in (1, 15, 16, 63, 64, 4096)] == [
+        "rows", "rows", "lanes", "lanes", "gemm", "gemm"]  # fmt: skip
+    assert plan.speedups[2] == (16, 4.0 / 3.5) and plan.speedups[4] == (64, 1.0)
+    assert "rows from 1; lanes from 16; gemm from 64 tokens" in plan.describe()
+    timings[4]["lanes_s"] = 6.0  # the lanes GEMM wins at 64 too: until 256
+    assert plan_from_timings(timings).lanes_until == 256
+    for timing in timings:  # the lanes GEMM never wins: the 2:4 GEMM from its first win
+        timing["lanes_s"] = 99.0
+    plan = plan_from_timings(timings)
+    assert (plan.gemm_from, plan.path(40)) == (32, "gemm") and "lanes" not in plan.describe()
 
 
 def test_plan_without_the_gemm_keeps_rows_and_tiles():
@@ -311,7 +344,7 @@ def integer_sparse(rows: int, columns: int, sparsity: float, dtype, generator) -
 
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 @pytest.mark.parametrize("x_dtype", DTYPES)
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", BITMASK_PATHS)
 def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
     """Every sparsity from none to all, inputs that are not a multiple of 8, 16 or 32, 1 to
     70 tokens, on each path (the GEMM where it runs: bfloat16 on ``avx512_bf16``, any input
@@ -333,7 +366,7 @@ def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path)
                 exact_in = torch.bfloat16 if bf16_tiles else x_dtype
                 exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
                 got = bitmask_cpu_linear(x, values, bitmask, row_offsets, bias, columns,
-                                         *PATHS[path])  # fmt: skip
+                                         *PATHS[path][:2])  # fmt: skip
                 assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns, tokens)
 
 
@@ -348,9 +381,9 @@ def test_bitmask_op_follows_the_reference_on_real_values(isa):
             x = torch.randn(tokens, 1000, generator=generator).to(torch.bfloat16)
             reference = F.linear(x.double(), weight.double())
             scale = x.double().abs() @ weight.double().abs().t() + 1
-            for tiled_from, gemm_from in PATHS.values():
-                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000, tiled_from,
-                                         gemm_from)  # fmt: skip
+            for path in BITMASK_PATHS:
+                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000,
+                                         *PATHS[path][:2])  # fmt: skip
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + 2.0**-8 * reference.abs()).all(), tokens
 

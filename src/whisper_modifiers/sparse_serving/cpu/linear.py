@@ -102,7 +102,7 @@ class CpuSparse24Linear(_CpuCompressedLinear):
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
         plan = self.plan or self.plan_paths()
         return sparse24_cpu_linear(x, self.compressed, self.bitmask, bias, self.in_features,
-                                   plan.tiled_from, plan.gemm_from)  # fmt: skip
+                                   plan.tiled_from, plan.gemm_from, plan.lanes_until)  # fmt: skip
 
 
 class CpuBitmaskLinear(_CpuCompressedLinear):

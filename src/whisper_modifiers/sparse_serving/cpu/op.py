@@ -15,7 +15,9 @@ tokens (the thresholds are ``cpu.plans``' measurements):
   inputs, ``vpermw`` picks the two inputs each row's two kept values belong to, then one
   ``vdpbf16ps`` (half a dense GEMM's products); an unstructured layer's GEMM expands a
   block of rows once per call into ``vdpbf16ps``'s layout and runs every token over it
-  (a dense GEMM's products, from the compressed bytes);
+  (a dense GEMM's products, from the compressed bytes, the tokens in the lanes). A 2:4
+  layer runs the unstructured GEMM below ``lanes_until`` tokens, where the plan measured
+  it faster (at 16 and 32 tokens on many shapes);
 * from ``tiled_from``, it expands about 1 MiB of weight rows at a time and hands them to
   ATen's dense GEMM (oneDNN: AMX where the CPU has it).
 
@@ -84,7 +86,7 @@ def _linear():
 
 def _register_fake() -> None:
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::linear")
-    def _(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from):
+    def _(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from, lanes_until=0):
         return x.new_empty(*x.shape[:-1], compressed.shape[0])
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::decompress")
@@ -126,11 +128,14 @@ def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
 
 def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
                         bias: torch.Tensor | None, in_features: int, tiled_from: int = NO_TILES,
-                        gemm_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
+                        gemm_from: int = NO_TILES,
+                        lanes_until: int = 0) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op): the
-    row kernels below ``gemm_from`` tokens, the 2:4 GEMM from it (where it runs:
-    ``gemm_runs``), the tiles from ``tiled_from``."""
-    return _linear()(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from)
+    row kernels below ``gemm_from`` tokens, the GEMM from it (where it runs: ``gemm_runs``;
+    the unstructured GEMM below ``lanes_until``, the 2:4 GEMM from it), the tiles from
+    ``tiled_from``."""
+    return _linear()(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from,
+                     lanes_until)  # fmt: skip
 
 
 def bitmask_cpu_linear(x: torch.Tensor, values: torch.Tensor, bitmask: torch.Tensor,

@@ -6,8 +6,9 @@ op (its sources, torch, compiler), kernel set and thread count, and cached on di
 On a random weight of the layer's shape and layout, at each ``TOKEN_LADDER`` count, the
 op's paths are timed against each other and against the dense ``F.linear`` of the same
 weight: its row kernels, its GEMM (2:4 or unstructured; ``gemm_runs``: bfloat16 on
-``avx512_bf16`` kernels) and its tiles (ATen's GEMM on expanded tiles). The plan runs
-each token count on the path that won there (``gemm_from``, ``tiled_from``; the tiles,
+``avx512_bf16`` kernels; for a 2:4 layer, also the unstructured GEMM over its rows,
+"lanes") and its tiles (ATen's GEMM on expanded tiles). The plan runs each token count on
+the path that won there (``gemm_from``, ``lanes_until``, ``tiled_from``; the tiles,
 which stand for ATen's GEMM and so for AMX where the CPU has it, must win by
 ``TILES_MARGIN``), and says whether the op beat dense at one token (``faster_at_decode``:
 where it lost, the ``auto`` kernel mode serves the layer dense, decompressed). The paths
@@ -56,35 +57,48 @@ __all__ = [
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256)
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
-PATHS = ("rows", "gemm", "tiles")
+PATHS = ("rows", "gemm", "lanes", "tiles")
+# (tiled_from, gemm_from, lanes_until) of the op that takes each path at every token count
+PATH_THRESHOLDS = {"rows": (NO_TILES, NO_TILES, 0), "gemm": (NO_TILES, 0, 0),
+                   "lanes": (NO_TILES, 0, NO_TILES), "tiles": (0, NO_TILES, 0)}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class CpuPlan:
     """The op's path by token count: the row kernels below ``gemm_from``, the GEMM
-    from it, the tiles from ``tiled_from`` (``NO_TILES``: never); ``faster_at_decode``:
-    whether the op beat dense at one token; ``speedups``: dense time / op time at each
-    measured token count, as ``(tokens, ratio)`` pairs (for the log)."""
+    from it (a 2:4 layer's: the unstructured GEMM, "lanes", below ``lanes_until``), the
+    tiles from ``tiled_from`` (``NO_TILES``: never); ``faster_at_decode``: whether the op
+    beat dense at one token; ``speedups``: dense time / op time at each measured token
+    count, as ``(tokens, ratio)`` pairs (for the log)."""
 
     tiled_from: int
     faster_at_decode: bool
     gemm_from: int = NO_TILES
     speedups: tuple = ()
+    lanes_until: int = 0
 
     def path(self, tokens: int) -> str:
         """The path the op takes for ``tokens`` tokens under this plan."""
         if tokens >= self.tiled_from:
             return "tiles"
-        return "gemm" if tokens >= self.gemm_from else "rows"
+        if tokens >= self.gemm_from:
+            return "lanes" if tokens < self.lanes_until else "gemm"
+        return "rows"
 
     def describe(self) -> str:
         """One line: the path of each token range and the speed against dense."""
-        starts = {"rows": 1, "gemm": self.gemm_from, "tiles": self.tiled_from}
-        ranges = [f"{path} from {start}" for path, start in starts.items()
-                  if start < NO_TILES and (path == "rows" or start < self.tiled_from
-                                            or path == "tiles")]  # fmt: skip
+        gemm_from = min(self.gemm_from, self.tiled_from)
+        lanes_until = min(max(self.lanes_until, gemm_from), self.tiled_from)
+        bounds = (
+            ("rows", 1, gemm_from),
+            ("lanes", gemm_from, lanes_until),
+            ("gemm", lanes_until, self.tiled_from),
+            ("tiles", self.tiled_from, None),
+        )
+        ranges = [f"{path} from {start}" for path, start, end in bounds
+                  if start < NO_TILES and (end is None or start < end)]  # fmt: skip
         ratios = ", ".join(f"{ratio:.2f}x at {tokens}" for tokens, ratio in self.speedups)
         return f"{'; '.join(ranges)} tokens" + (f" (dense time / op time: {ratios})"
                                                 if ratios else "")  # fmt: skip
@@ -116,19 +130,19 @@ def plan_density(density: float | None) -> float | None:
 def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
               density: float | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """A random weight of the layout (2:4 where ``density`` is None, else unstructured at
-    ``density``) and, by path, ``run(x)`` of the op on it."""
-    thresholds = {"rows": (NO_TILES, NO_TILES), "gemm": (NO_TILES, 0), "tiles": (0, NO_TILES)}
-    paths = [path for path in PATHS
-             if path != "gemm" or gemm_runs(dtype, dtype)]  # fmt: skip
+    ``density``) and, by path, ``run(x)`` of the op on it (the GEMMs where they run; "lanes",
+    the unstructured GEMM over a 2:4 layer's rows, for 2:4 layers)."""
+    paths = [path for path in PATHS if path in ("rows", "tiles") or (
+        gemm_runs(dtype, dtype) and (path == "gemm" or density is None))]  # fmt: skip
     if density is None:
         dense = random_two_four(out_features, in_features, dtype)
         compressed, bitmask = compress_24(dense)
-        return dense, {path: lambda x, t=thresholds[path]: sparse24_cpu_linear(
+        return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: sparse24_cpu_linear(
             x, compressed, bitmask, None, in_features, *t) for path in paths}  # fmt: skip
     dense = random_unstructured(out_features, in_features, dtype, density)
     values, bitmask, row_offsets = compress_bitmask(dense)
-    return dense, {path: lambda x, t=thresholds[path]: bitmask_cpu_linear(
-        x, values, bitmask, row_offsets, None, in_features, *t) for path in paths}  # fmt: skip
+    return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: bitmask_cpu_linear(
+        x, values, bitmask, row_offsets, None, in_features, *t[:2]) for path in paths}  # fmt: skip
 
 
 def _seconds(fns: dict) -> dict:
@@ -181,16 +195,23 @@ def _first_of_winning_run(timings: list[dict], path: str, rivals: list[str],
 
 def plan_from_timings(timings: list[dict]) -> CpuPlan:
     """Tiles from the lowest ladder count at and above which they took at most
-    ``TILES_MARGIN`` of the row kernels' and the GEMM's time; the GEMM from the lowest count
-    below that from which it was never slower than the row kernels; the op, on its chosen
-    path, against dense."""
-    tiled_from = _first_of_winning_run(timings, "tiles", ["rows", "gemm"], TILES_MARGIN)
+    ``TILES_MARGIN`` of the row kernels' and the GEMMs' time; below that, a 2:4 layer's
+    unstructured GEMM ("lanes") until the lowest count from which the 2:4 GEMM was never
+    slower than it; the GEMM so chosen from the lowest count below the tiles from which it
+    was never slower than the row kernels; the op, on its chosen path, against dense."""
+    tiled_from = _first_of_winning_run(timings, "tiles", ["rows", "gemm", "lanes"],
+                                       TILES_MARGIN)  # fmt: skip
     below = [timing for timing in timings if timing["tokens"] < tiled_from]
-    gemm_from = _first_of_winning_run(below, "gemm", ["rows"]) if below else NO_TILES
-    paths = CpuPlan(tiled_from, False, gemm_from)
+    lanes_until = 0
+    if below and any(timing.get("lanes_s") is not None for timing in below):
+        lanes_until = _first_of_winning_run(below, "gemm", ["lanes"])
+    chosen = [timing | {"gemm_s": timing["lanes_s"]} if timing["tokens"] < lanes_until
+              else timing for timing in below]  # fmt: skip
+    gemm_from = _first_of_winning_run(chosen, "gemm", ["rows"]) if below else NO_TILES
+    paths = CpuPlan(tiled_from, False, gemm_from, (), lanes_until)
     speedups = tuple((t["tokens"], t["dense_s"] / t[f"{paths.path(t['tokens'])}_s"])
                      for t in timings)  # fmt: skip
-    return CpuPlan(tiled_from, speedups[0][1] >= 1.0, gemm_from, speedups)
+    return CpuPlan(tiled_from, speedups[0][1] >= 1.0, gemm_from, speedups, lanes_until)
 
 
 _lock = threading.Lock()

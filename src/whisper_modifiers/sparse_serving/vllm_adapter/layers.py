@@ -80,6 +80,7 @@ class SparseLinearMethod(UnquantizedLinearMethod):
             layer.sparse_kernel = kernel
             plan = kernel.plan
             self._note(kernel_mode(), {"cpu_gemm_from": plan.gemm_from,
+                                       "cpu_lanes_until": plan.lanes_until,
                                        "cpu_tiled_from": plan.tiled_from})  # fmt: skip
             dtype = str(kernel.compressed.dtype).removeprefix("torch.")
             logger.info_once(f"{kernel.layout} CPU op, [{rows} x {columns}] {dtype} layers"

@@ -1,13 +1,15 @@
 // The torch ops over the kernels of sparse_kernels.h, and their run-time dispatch from the CPU's flags.
 //
 //   whisper_sparse_cpu::linear(x, compressed, bitmask, bias, in_features, gemm_from,
-//                                tiled_from)
+//                                tiled_from, lanes_until=0)
 //       y = x W^T (+ bias) for a 2:4 W as stored, by one of three paths chosen by the number of
 //       tokens M (the thresholds come from cpu_plans' measurements):
 //       * M < gemm_from (decode): the row kernels expand the kept values in registers;
 //       * gemm_from <= M < tiled_from, for bfloat16 x and W where the kernels are avx512_bf16:
-//         the 2:4 GEMM (avx512_bf16_gemm.cpp, run over the threads by op_gemm.cpp), which
-//         multiplies the kept values only; elsewhere the row kernels;
+//         below lanes_until the unstructured GEMM, which reads a 2:4 row as an unstructured
+//         row of half the inputs' values (the tokens in the lanes), from it the 2:4 GEMM
+//         (avx512_bf16_gemm.cpp), which multiplies the kept values only; both run over the
+//         threads by op_gemm.cpp; elsewhere the row kernels;
 //       * M >= tiled_from: cache-sized tiles of W are expanded into a buffer and multiplied by
 //         ATen's dense GEMM (oneDNN; AMX where the CPU has it), in bfloat16 where the kernels
 //         are avx512_bf16, else in float32 (tile_dtype).
@@ -242,16 +244,19 @@ at::Tensor shaped_as(const at::Tensor& y, const at::Tensor& x, int64_t rows) {
 }
 
 // y = x W^T (+ bias) on the path of x's number of tokens: the tiles from tiled_from, the GEMM
-// from gemm_from (where it runs), the row kernels below; offsets: an unstructured layer's.
+// from gemm_from (where it runs; a 2:4 layer's in the unstructured GEMM below lanes_until), the
+// row kernels below; offsets: an unstructured layer's.
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
                        const int64_t* offsets, const c10::optional<at::Tensor>& bias,
-                       int64_t in_features, int64_t gemm_from, int64_t tiled_from) {
+                       int64_t in_features, int64_t gemm_from, int64_t tiled_from,
+                       int64_t lanes_until = 0) {
   const at::Tensor x2 = rows_of(x, in_features);
   at::Tensor y;
   if (x2.size(0) >= tiled_from) {
     y = tiled_linear(x2, compressed, bitmask, offsets, bias, in_features);
   } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed)) {
-    y = gemm_linear(x2, compressed, bitmask, offsets, bias, in_features);
+    y = gemm_linear(x2, compressed, bitmask, offsets, bias, in_features,
+                    x2.size(0) < lanes_until);
   } else {
     y = row_kernel_linear(x2, compressed, bitmask, offsets, bias, in_features);
   }
@@ -260,9 +265,10 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& compressed, const 
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
                   const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t gemm_from,
-                  int64_t tiled_from) {
+                  int64_t tiled_from, int64_t lanes_until) {
   check_layer(compressed, bitmask, in_features);
-  return path_linear(x, compressed, bitmask, nullptr, bias, in_features, gemm_from, tiled_from);
+  return path_linear(x, compressed, bitmask, nullptr, bias, in_features, gemm_from, tiled_from,
+                     lanes_until);
 }
 
 // An unstructured layer (bitmask_format): the row kernels below gemm_from tokens, the
@@ -280,7 +286,7 @@ at::Tensor bitmask_linear(const at::Tensor& x, const at::Tensor& values, const a
 
 TORCH_LIBRARY(whisper_sparse_cpu, m) {
   m.def("linear(Tensor x, Tensor compressed, Tensor bitmask, Tensor? bias, int in_features, "
-        "int gemm_from, int tiled_from) -> Tensor");
+        "int gemm_from, int tiled_from, int lanes_until=0) -> Tensor");
   m.def("decompress(Tensor compressed, Tensor bitmask, int in_features) -> Tensor");
   m.def("bitmask_linear(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets, Tensor? bias, "
         "int in_features, int gemm_from, int tiled_from) -> Tensor");
