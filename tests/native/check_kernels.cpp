@@ -179,7 +179,7 @@ void check_gemm(const Layer& layer, std::mt19937& draw) {
 // The unstructured GEMM as op_gemm.cpp runs it: pass by pass, x packed (in two calls, as two
 // threads would share it) before the rows.
 void run_bitmask_gemm(const GemmArgs& args) {
-  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = (args.K + 1) / 2;
+  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = input_pairs(args.K);
   const int64_t half = (pairs + 31) / 32 * 16;
   for (int64_t t0 = 0; t0 < args.M; t0 += per_pass) {
     const int64_t tokens = std::min(per_pass, args.M - t0);
@@ -240,6 +240,19 @@ std::vector<float> random_x(int64_t tokens, int64_t columns, std::mt19937& draw)
   std::vector<float> x(tokens * columns);
   for (auto& v : x) v = float(value(draw));
   return x;
+}
+
+// A 2:4 layer in the unstructured GEMM, as the op's "lanes" path runs it: each row an
+// unstructured row of columns / 2 values, at n * columns / 2.
+void check_two_four_in_bitmask_gemm(const Layer& layer, std::mt19937& draw) {
+  std::vector<int64_t> offsets(layer.rows);
+  for (int64_t n = 0; n < layer.rows; ++n) offsets[n] = n * (layer.columns / 2);
+  for (int64_t tokens : {1, 17, 70}) {
+    const std::vector<float> x = random_x(tokens, layer.columns, draw);
+    check_bitmask_gemm(x, products(x, layer.dense, layer.rows, layer.columns, tokens),
+                       layer.kept_bf16, layer.bitmask, offsets, layer.rows, layer.columns,
+                       tokens, draw);
+  }
 }
 
 // Unstructured layers (RowsArgs::row_offsets): the AVX-512 row kernels and the dense rows,
@@ -335,6 +348,7 @@ int main() {
     const Layer layer = random_layer(shape[0], shape[1], draw);
     check_layer(layer, draw);
     check_gemm(layer, draw);
+    check_two_four_in_bitmask_gemm(layer, draw);
   }
   check_gemm(random_layer(100, 8200, draw), draw);  // a second block of rows and of groups
   for (double sparsity : {0.0, 0.5, 0.65, 1.0}) {

@@ -258,19 +258,19 @@ WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t row
     const int64_t k0 = c * Chunk, width = std::min(Chunk, a.K - k0);
     expand_chunk(a, buffers.next, n, rows, k0, width, unchecked, buffers.expanded, stride);
     const int64_t lines = (sweep.lines_left() + chunks - c - 1) / (chunks - c);
-    multiply_chunk<stride>(buffers.expanded, a.packed, (a.K + 1) / 2, k0 / 2, lanes,
-                           (width + 1) / 2, buffers.sums, padded, c == 0, sweep, lines);
+    multiply_chunk<stride>(buffers.expanded, a.packed, input_pairs(a.K), k0 / 2, lanes,
+                           input_pairs(width), buffers.sums, padded, c == 0, sweep, lines);
   }
 }
 
 }  // namespace
 
 int64_t bitmask_gemm_tokens_per_pass(int64_t K) {
-  return std::clamp<int64_t>(kPackedBytes / (4 * ((K + 1) / 2)) / 32 * 32, 32, kTokensPerPass);
+  return std::clamp<int64_t>(kPackedBytes / (4 * input_pairs(K)) / 32 * 32, 32, kTokensPerPass);
 }
 
 int64_t bitmask_gemm_packed_words(int64_t tokens, int64_t K) {
-  return (tokens + 15) / 16 * 16 * ((K + 1) / 2);
+  return token_lanes(tokens) * input_pairs(K);
 }
 
 // Token t's inputs (2p, 2p + 1) (0 past K and past `tokens`) go to its tile's run: tiles of 32
@@ -278,7 +278,7 @@ int64_t bitmask_gemm_packed_words(int64_t tokens, int64_t K) {
 // words pair after pair; pairs [pair_begin, pair_end) here (multiples of 16, or the end).
 WS_TARGET void pack_pairs_avx512_bf16(const uint16_t* x, int64_t ldx, int64_t tokens, int64_t K,
                                       int64_t pair_begin, int64_t pair_end, uint32_t* packed) {
-  const int64_t pairs = (K + 1) / 2, lanes = (tokens + 15) / 16 * 16;
+  const int64_t pairs = input_pairs(K), lanes = token_lanes(tokens);
   for (int64_t t = 0; t < lanes; t += 16)
     for (int64_t p = pair_begin; p < pair_end; p += 16) {
       const int64_t k = 2 * p, inputs = std::min<int64_t>(32, K - k);
@@ -298,7 +298,7 @@ WS_TARGET void pack_pairs_avx512_bf16(const uint16_t* x, int64_t ldx, int64_t to
 
 WS_TARGET void bitmask_gemm_avx512_bf16(const GemmArgs& a) {
   Scratch& buffers = scratch();
-  const int64_t lanes = (a.M + 15) / 16 * 16;
+  const int64_t lanes = token_lanes(a.M);
   const bool few = lanes <= kFewTokensUpTo;
   const int64_t block_rows = few ? kFewTokensRows : kManyTokensRows;
   for (int64_t n = a.n_begin; n < a.n_end; n += block_rows) {

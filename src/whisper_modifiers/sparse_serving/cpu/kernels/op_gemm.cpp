@@ -46,7 +46,7 @@ struct PackedX {
 // buffer, then their rows.
 void bitmask_gemm_in_passes(const GemmArgs& args, int64_t rows) {
   static thread_local PackedX packed;
-  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = (args.K + 1) / 2;
+  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = input_pairs(args.K);
   for (int64_t t0 = 0; t0 < args.M; t0 += per_pass) {
     const int64_t tokens = std::min(per_pass, args.M - t0);
     uint32_t* to = packed.at_least(bitmask_gemm_packed_words(tokens, args.K));

@@ -151,6 +151,8 @@ void gemm_avx512_bf16(const GemmArgs& args);
 // mask, its pointer advancing by the mask's popcount) into a row-major buffer, and a
 // register-blocked micro-kernel broadcasts each row's pair of weights into vdpbf16ps over every
 // token. Any K (an odd K's last pair is padded with a zero).
+inline int64_t input_pairs(int64_t K) { return (K + 1) / 2; }  // the packed pairs of inputs
+inline int64_t token_lanes(int64_t tokens) { return (tokens + 15) / 16 * 16; }  // a pass's lanes
 int64_t bitmask_gemm_tokens_per_pass(int64_t K);
 int64_t bitmask_gemm_packed_words(int64_t tokens, int64_t K);
 void pack_pairs_avx512_bf16(const uint16_t* x, int64_t ldx, int64_t tokens, int64_t K,
