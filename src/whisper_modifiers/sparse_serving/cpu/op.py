@@ -17,7 +17,7 @@ tokens (the thresholds are ``cpu.plans``' measurements):
   block of rows once per call into ``vdpbf16ps``'s layout and runs every token over it
   (a dense GEMM's products, from the compressed bytes, the tokens in the lanes). A 2:4
   layer runs the unstructured GEMM below ``lanes_until`` tokens, where the plan measured
-  it faster (at 16 and 32 tokens on many shapes);
+  it faster (from 16 tokens on most 7B/8B shapes on a Zen 5 EPYC);
 * from ``tiled_from``, it expands about 1 MiB of weight rows at a time and hands them to
   ATen's dense GEMM (oneDNN: AMX where the CPU has it).
 
