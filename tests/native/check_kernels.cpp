@@ -201,7 +201,7 @@ void run_bitmask_gemm(const GemmArgs& args) {
 // `begin` untouched; x with a row stride wider than K and NaN between its rows.
 void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& expected,
                         const std::vector<uint16_t>& kept_bf16, const std::vector<uint8_t>& bitmask,
-                        const std::vector<int64_t>& offsets, int64_t rows, int64_t columns,
+                        const int64_t* offsets, int64_t rows, int64_t columns,
                         int64_t tokens, std::mt19937& draw) {
   const int64_t ldx = columns + 4;
   std::uniform_int_distribution<int> value(-3, 3);
@@ -213,7 +213,7 @@ void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& e
   for (int64_t begin : {int64_t(0), rows > 16 ? int64_t(16) : int64_t(0)}) {
     std::vector<uint16_t> y(tokens * rows, 0xFFFF);
     GemmArgs args{x_bf16.data(), ldx, kept_bf16.data(), bitmask.data(), bias.data(), y.data(),
-                  rows, tokens, columns, begin, rows, offsets.data(), int64_t(kept_bf16.size())};
+                  rows, tokens, columns, begin, rows, offsets, int64_t(kept_bf16.size())};
     run_bitmask_gemm(args);
     bool same = true;
     for (int64_t t = 0; t < tokens; ++t)
@@ -242,16 +242,20 @@ std::vector<float> random_x(int64_t tokens, int64_t columns, std::mt19937& draw)
   return x;
 }
 
-// A 2:4 layer in the unstructured GEMM, as the op's "lanes" path runs it: each row an
-// unstructured row of columns / 2 values, at n * columns / 2.
+// A 2:4 layer in the unstructured GEMM: without row offsets, as the op's "lanes" path runs
+// it (each row columns / 2 values, after the rows before it), and with those offsets written
+// out, as an unstructured layer.
 void check_two_four_in_bitmask_gemm(const Layer& layer, std::mt19937& draw) {
   std::vector<int64_t> offsets(layer.rows);
   for (int64_t n = 0; n < layer.rows; ++n) offsets[n] = n * (layer.columns / 2);
   for (int64_t tokens : {1, 17, 70}) {
     const std::vector<float> x = random_x(tokens, layer.columns, draw);
-    check_bitmask_gemm(x, products(x, layer.dense, layer.rows, layer.columns, tokens),
-                       layer.kept_bf16, layer.bitmask, offsets, layer.rows, layer.columns,
-                       tokens, draw);
+    const std::vector<float> expected =
+        products(x, layer.dense, layer.rows, layer.columns, tokens);
+    const int64_t* const ways[] = {nullptr, offsets.data()};
+    for (const int64_t* starts : ways)
+      check_bitmask_gemm(x, expected, layer.kept_bf16, layer.bitmask, starts, layer.rows,
+                         layer.columns, tokens, draw);
   }
 }
 
@@ -303,8 +307,8 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
   }
   for (int64_t tokens : gemm_tokens) {
     const std::vector<float> x = random_x(tokens, columns, draw);
-    check_bitmask_gemm(x, products(x, dense, rows, columns, tokens), kept_bf16, bitmask, offsets,
-                       rows, columns, tokens, draw);
+    check_bitmask_gemm(x, products(x, dense, rows, columns, tokens), kept_bf16, bitmask,
+                       offsets.data(), rows, columns, tokens, draw);
   }
   if (columns > 8192) return;  // the row kernels' checks below are for the smaller layers
   for (int64_t tokens :
@@ -334,7 +338,8 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     expect(y32 == expected, "rows_avx512 f32 unstructured", rows, columns, tokens);
     expect(y16 == expected, "rows_avx512 bf16 unstructured", rows, columns, tokens);
     expect(ydot == expected, "rows_avx512_bf16 unstructured", rows, columns, tokens);
-    check_bitmask_gemm(x, expected, kept_bf16, bitmask, offsets, rows, columns, tokens, draw);
+    check_bitmask_gemm(x, expected, kept_bf16, bitmask, offsets.data(), rows, columns, tokens,
+                       draw);
   }
 }
 

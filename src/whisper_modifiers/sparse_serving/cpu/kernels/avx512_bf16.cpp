@@ -109,7 +109,7 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
 // (loads_stay_in_layer).
 template <int R, int T, bool U>
 WS_TARGET void rows_block_in_layer(const RowsArgs& a, const uint16_t* x, int64_t m, int64_t n) {
-  if (U && !loads_stay_in_layer(a.row_offsets, n + R - 1, a.K, a.values_count)) {
+  if (U && !loads_stay_in_layer(a.row_offsets[n + R - 1], a.K, a.values_count)) {
     rows_block<R, T, U, true>(a, x, m, n);
   } else {
     rows_block<R, T, U>(a, x, m, n);
@@ -188,7 +188,7 @@ WS_TARGET void unstructured_rows_all_tokens(const RowsArgs& a, const uint16_t* x
     values[r] = base + a.row_offsets[n + r];
     next_group[r] = n + r + G < a.n_end ? a.row_offsets[n + r + G] - a.row_offsets[n + r] : 0;
   }
-  const bool bounded = !loads_stay_in_layer(a.row_offsets, n + G - 1, a.K, a.values_count);
+  const bool bounded = !loads_stay_in_layer(a.row_offsets[n + G - 1], a.K, a.values_count);
   std::fill(partial, partial + a.M * G * 16, 0.0f);
   for (int64_t k0 = 0; k0 < a.K; k0 += kChunk) {
     const int64_t width = std::min(kChunk, a.K - k0);

@@ -1,6 +1,7 @@
 // The unstructured GEMM on AVX-512 with VBMI2 and BF16 (sparse_kernels.h, GemmArgs with
 // row_offsets), for batched decode and prefill: y = x W^T for a W stored as each row's kept
-// values, its bitmask and its offsets (bitmask_format).
+// values, its bitmask and its offsets (bitmask_format); without row offsets, a 2:4 layer's
+// rows, K / 2 values each (the op's lanes path).
 //
 // The kept values have no fixed place, so the products are a dense GEMM's: what this saves is
 // the weight bytes read (a row's kept values and a bit per input) and the dense weight never
@@ -106,12 +107,18 @@ struct Sweep {
   }
 };
 
+// Where row n's kept values start: at its row offset, or in a 2:4 layer (no row offsets: the
+// op's lanes path) after the K / 2 of each row before it.
+inline int64_t row_start(const GemmArgs& a, int64_t n) {
+  return a.row_offsets != nullptr ? a.row_offsets[n] : n * (a.K / 2);
+}
+
 // Rows [n, n_end) of the layer as a sweep; empty where there are none.
 Sweep sweep_of(const GemmArgs& a, int64_t n, int64_t n_end) {
   Sweep sweep;
   if (n >= n_end) return sweep;
   const int64_t mask_bytes = (a.K + 7) / 8;
-  const int64_t first = a.row_offsets[n], last_row = a.row_offsets[n_end - 1];
+  const int64_t first = row_start(a, n), last_row = row_start(a, n_end - 1);
   // the last row's end, about: it may be the layer's, which row_offsets does not hold
   const int64_t last = last_row + (last_row - first) / std::max<int64_t>(1, n_end - 1 - n);
   sweep.at = reinterpret_cast<const char*>(a.compressed + first);
@@ -250,8 +257,8 @@ WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t row
   constexpr int64_t stride = row_stride(Chunk);
   const int64_t padded = (rows + 23) / 24 * 24;  // rows past `rows` stay zeros
   const int64_t chunks = (a.K + Chunk - 1) / Chunk;
-  const bool unchecked = loads_stay_in_layer(a.row_offsets, n + rows - 1, a.K, a.values_count);
-  for (int64_t r = 0; r < rows; ++r) buffers.next[r] = a.compressed + a.row_offsets[n + r];
+  const bool unchecked = loads_stay_in_layer(row_start(a, n + rows - 1), a.K, a.values_count);
+  for (int64_t r = 0; r < rows; ++r) buffers.next[r] = a.compressed + row_start(a, n + r);
   std::memset(buffers.expanded + rows * stride, 0, (padded - rows) * stride * sizeof(uint16_t));
   Sweep sweep = sweep_of(a, n + rows, ahead_end);
   for (int64_t c = 0; c < chunks; ++c) {

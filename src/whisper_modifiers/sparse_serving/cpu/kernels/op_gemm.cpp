@@ -1,12 +1,12 @@
 // The op's GEMM path (op.cpp's gemm_linear, where gemm_runs): the 2:4 GEMM, or for an
-// unstructured layer the unstructured one in passes of tokens, over the threads.
+// unstructured layer (and a 2:4 one on the lanes path) the unstructured one in passes of
+// tokens, over the threads.
 #include "op_gemm.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <vector>
 
 #include "sparse_kernels.h"
 
@@ -66,18 +66,12 @@ void bitmask_gemm_in_passes(const GemmArgs& args, int64_t rows) {
 
 }  // namespace
 
-// The 2:4 GEMM, or with row offsets (or `lanes`: a 2:4 row's, every in_features / 2 values) the
-// unstructured one.
+// The 2:4 GEMM, or with row offsets (or `lanes`: a 2:4 layer, read by it as rows of
+// in_features / 2 values) the unstructured one.
 at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
                        const at::Tensor& bitmask, const int64_t* offsets,
                        const c10::optional<at::Tensor>& bias, int64_t in_features, bool lanes) {
   const int64_t tokens = x2.size(0), rows = bitmask.size(0);
-  std::vector<int64_t> two_four_offsets;  // a 2:4 layer's, for the unstructured GEMM
-  if (offsets == nullptr && lanes) {
-    two_four_offsets.resize(rows);
-    for (int64_t r = 0; r < rows; ++r) two_four_offsets[r] = r * (in_features / 2);
-    offsets = two_four_offsets.data();
-  }
   const at::Tensor bias32 = bias.has_value() && bias->defined()
                                 ? bias->to(at::kFloat).contiguous()
                                 : at::Tensor();
@@ -87,7 +81,7 @@ at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
                 bias32.defined() ? bias32.data_ptr<float>() : nullptr,
                 static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0,
                 offsets, compressed.numel()};
-  if (offsets != nullptr) {
+  if (offsets != nullptr || lanes) {
     bitmask_gemm_in_passes(args, rows);
   } else {
     rows_in_parallel(gemm_avx512_bf16, args, rows);

@@ -64,11 +64,11 @@ inline uint32_t mask_bits(const uint8_t* row, int64_t k, int64_t bits) {
   return mask & ((uint32_t(1) << bits) - 1);
 }
 
-// Whether 32 values loaded from anywhere in an unstructured layer's rows up to `row` (their
-// offsets rising) stay among its values_count: a row's pointer never passes its start + K.
-inline bool loads_stay_in_layer(const int64_t* row_offsets, int64_t row, int64_t K,
-                                int64_t values_count) {
-  return row_offsets[row] + K + 32 <= values_count;
+// Whether 32 values loaded from anywhere in an unstructured layer's rows up to the one whose
+// values start at `last_start` (their starts rising) stay among its values_count: a row's
+// pointer never passes its start + K.
+inline bool loads_stay_in_layer(int64_t last_start, int64_t K, int64_t values_count) {
+  return last_start + K + 32 <= values_count;
 }
 
 // One output of a row kernel: y[index] (or y_bf16[index]) = sum + bias[row].
@@ -133,8 +133,9 @@ struct GemmArgs {
   int64_t K;
   int64_t n_begin;
   int64_t n_end;
-  // An unstructured layer (bitmask_gemm_avx512_bf16 only): as in RowsArgs, and x packed by
-  // pack_pairs_avx512_bf16 for its M tokens (at most bitmask_gemm_tokens_per_pass(K)).
+  // For bitmask_gemm_avx512_bf16: an unstructured layer's, as in RowsArgs (without row
+  // offsets it reads a 2:4 layer, each row's K / 2 values after the last row's), and x packed
+  // by pack_pairs_avx512_bf16 for its M tokens (at most bitmask_gemm_tokens_per_pass(K)).
   const int64_t* row_offsets = nullptr;
   int64_t values_count = 0;
   const uint32_t* packed = nullptr;
