@@ -12,8 +12,10 @@ Here, before the session's GPU calls (PyPI reachable, ``.venv`` built):
 The pruning-only plan (``--plan prune``; no vLLM carried) is two calls, about 8 minutes
 with the machine's start: the first copies the pruning stack's first half; the second the
 rest, then installs it and runs ``prune-reference`` (the speed table with the reference
-procedure beside our methods, ``speed.py --reference``, and a profile of Whisper),
-``cuda-tests``, all within one command's 570 seconds (rows are written as they come).
+procedure beside our methods, ``speed.py --reference``), ``cuda-tests`` and ``profile`` (a
+profile of Whisper on 16 sequences: torch.profiler's tables of a 128-sequence run took over
+4 minutes to build on an H100), all within one command's 570 seconds (rows are written as
+they come). On an H100 on 2026-11-26 the table took about 5 minutes, the tests 30 seconds.
 
 The GPU machine (torch 2.11 image) has neither llmcompressor nor vLLM and reaches no
 network, and a call carries at most 64 MiB. ``prepare`` therefore writes carry folders:
@@ -69,7 +71,7 @@ def prune_calls() -> list[dict]:
          "why": "pruning stack, part 2; the speed table with the reference, a profile, the "
                 "CUDA-only tests",
          "command": f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && "
-                    f"{RUN} install-prune prune-reference cuda-tests --out $OUT"},
+                    f"{RUN} install-prune prune-reference cuda-tests profile --out $OUT"},
     ]  # fmt: skip
 
 
@@ -130,6 +132,7 @@ def write_serve_python() -> None:
 
 
 PRUNE_SIZE = ["--random-layers", "2", "--num-sequences", "128", "--seq-len", "4096"]
+PROFILE_SIZE = ["--random-layers", "2", "--num-sequences", "16", "--seq-len", "4096"]
 PRUNE_SMOKE = ["--random-layers", "1", "--hidden", "64", "--intermediate", "128",
                "--num-sequences", "2", "--seq-len", "32", "--methods", "wanda", "wisp",
                "--offload-devices", "cpu"]  # fmt: skip
@@ -150,7 +153,10 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
         "prune": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
                    "--out", str(out)]],
         "prune-reference": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
-                             "--reference", "--profile", "whisper", "--out", str(out)]],
+                             "--reference", "--out", str(out)]],
+        "profile": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PROFILE_SIZE),
+                     "--methods", "whisper", "--pipelines", "whisper_layerwise",
+                     "--profile", "whisper", "--out", str(out / "profile")]],
         "cuda-tests": [[python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                         "tests/test_pipeline.py", "tests/test_sparse_kernels.py"]],
         "install-vllm": [[*install, str(VLLM_SITE), str(VLLM_WHEELS), str(VLLM_WHEELS / "deps")]],
@@ -165,8 +171,8 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
     return commands[stage]
 
 
-STAGES = ("install-prune", "prune", "prune-reference", "cuda-tests", "install-vllm", "serve",
-          "serve-capture", "correct")  # fmt: skip
+STAGES = ("install-prune", "prune", "prune-reference", "cuda-tests", "profile", "install-vllm",
+          "serve", "serve-capture", "correct")  # fmt: skip
 
 
 def run_command(command: list[str], env: dict, log_path: Path, seconds: float) -> int | str:
@@ -197,11 +203,12 @@ def run_stages(stages: list[str], out: Path, smoke: bool, dry_run: bool) -> int:
     """Run ``stages`` in order within ``STAGE_LIMIT`` seconds in all; each command's output
     goes to this process's output and to ``out/<stage>.log``. Stops at the first failure."""
     deadline = time.monotonic() + STAGE_LIMIT
-    env = dict(os.environ) | prune_env() | {"PYTHONUNBUFFERED": "1"}
     out.mkdir(parents=True, exist_ok=True)
-    if not dry_run and VLLM_SITE.is_dir():
-        write_serve_python()
     for stage in stages:
+        # per stage: an install stage before it may have made the folders prune_env names
+        env = dict(os.environ) | prune_env() | {"PYTHONUNBUFFERED": "1"}
+        if not dry_run and VLLM_SITE.is_dir():
+            write_serve_python()
         for command in stage_commands(stage, out, smoke):
             print("+ " + " ".join(command), flush=True)
             if dry_run:

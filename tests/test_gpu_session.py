@@ -5,6 +5,7 @@ or runs out of time stops the rest."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -169,24 +170,46 @@ def test_prune_stage_runs_here_at_smoke_size(tmp_path):
 
 def test_the_pruning_only_plan_is_two_calls_without_vllm(tmp_path):
     """Issue 50: two calls, the pruning stack's two halves, the second running the speed
-    table with the reference procedure and a profile, then the CUDA-only tests."""
+    table with the reference procedure, the CUDA-only tests, then a profile of 16 sequences
+    (a 128-sequence profile's tables outran the call on an H100)."""
     calls = gpu_session.plan_calls("prune")
     assert [call["carry"] for call in calls] == [[f"{gpu_session.SESSION}/p0"],
                                                  [f"{gpu_session.SESSION}/p1"]]  # fmt: skip
     assert all(len(call["command"]) <= 2000 for call in calls)
     stages = [word for word in calls[1]["command"].split() if word in gpu_session.STAGES]
-    assert stages == ["install-prune", "prune-reference", "cuda-tests"]
+    assert stages == ["install-prune", "prune-reference", "cuda-tests", "profile"]
     (prune,) = gpu_session.stage_commands("prune-reference", tmp_path)
     assert prune[1] == "benchmarks/speed.py" and "--reference" in prune
-    assert prune[prune.index("--profile") + 1] == "whisper"
-    assert prune[prune.index("--random-layers") + 1] == "2"
+    assert "--profile" not in prune and prune[prune.index("--random-layers") + 1] == "2"
+    (profile,) = gpu_session.stage_commands("profile", tmp_path)
+    assert profile[profile.index("--profile") + 1] == "whisper"
+    assert profile[profile.index("--num-sequences") + 1] == "16"
+    assert profile[profile.index("--out") + 1] == str(tmp_path / "profile")  # its own table
     with pytest.raises(ValueError, match="plan must be one of all, prune"):
         gpu_session.plan_calls("serve")
 
 
 def test_the_pruning_only_plan_runs_on_a_cpu_in_smoke_size(tmp_path):
-    """The prune-reference stage, CPU-sized: the reference rows, ours, and the profile."""
-    assert gpu_session.main(["stage", "prune-reference", "--smoke", "--out", str(tmp_path)]) == 0
+    """The prune-reference and profile stages, CPU-sized: the reference rows, ours, and the
+    profile beside its own table."""
+    argv = ["stage", "prune-reference", "profile", "--smoke", "--out", str(tmp_path)]
+    assert gpu_session.main(argv) == 0
     table = (tmp_path / "speed_random.md").read_text()
     assert "| reference wanda | reference |" in table and "| wisp | sequential |" in table
-    assert (tmp_path / "profile_whisper.md").is_file()
+    assert (tmp_path / "profile" / "profile_whisper.md").is_file()
+
+
+def test_a_stage_sees_the_site_an_earlier_stage_installed(tmp_path, monkeypatch):
+    """install-prune then prune in one call: prune's PYTHONPATH holds the site that
+    install-prune made (an H100 run failed on 'No module named compressed_tensors' when the
+    environment was read once, before the install)."""
+    site = tmp_path / "site"
+    monkeypatch.setattr(gpu_session, "PRUNE_SITE", site)
+    commands = {
+        "install-prune": [sys.executable, "-c", f"import os; os.makedirs({str(site)!r})"],
+        "prune": [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"],
+    }
+    monkeypatch.setattr(gpu_session, "stage_commands",
+                        lambda stage, out, smoke: [commands[stage]])  # fmt: skip
+    assert gpu_session.run_stages(["install-prune", "prune"], tmp_path / "out", False, False) == 0
+    assert str(site) in (tmp_path / "out" / "prune.log").read_text().split(os.pathsep)[-1]

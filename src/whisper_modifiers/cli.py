@@ -187,8 +187,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help=f"calibration pipeline: '{PIPELINE_NAME}' (this package's, decoder layer by "
         "decoder layer with SDPA attention on a GPU), 'sequential' (oneshot's default: "
-        "llmcompressor's sequential pipeline) or 'auto' (default: on a GPU, sequential where "
-        f"the activation cache stays on the GPU, {PIPELINE_NAME} where it does not; "
+        f"llmcompressor's sequential pipeline) or 'auto' (default: {PIPELINE_NAME} on a GPU, "
         "sequential on a CPU)",
     )
     return parser.parse_args(argv)
@@ -303,7 +302,7 @@ def prune_and_save(plan: Plan) -> dict:
     offload_device, batch_size = methods.calibration_settings(
         model, plan.args.num_sequences, plan.args.seq_len, plan.offload_device, plan.batch_size
     )
-    pipeline = methods.calibration_pipeline(plan.pipeline, offload_device == "cuda")
+    pipeline = methods.calibration_pipeline(plan.pipeline)
     report["calibration"].update(batch_size=batch_size, offload_device=offload_device,
                                  pipeline=pipeline)  # fmt: skip
     chosen = " (--pipeline auto)" if plan.pipeline == "auto" else ""

@@ -112,23 +112,21 @@ def calibration_settings(model, num_sequences: int, seq_len: int, offload_device
     return offload_device, 1 if batch_size == "auto" else int(batch_size)
 
 
-def calibration_pipeline(choice: str = "auto", cache_on_gpu: bool = False) -> str:
+def calibration_pipeline(choice: str = "auto") -> str:
     """``"whisper_layerwise"`` (``layerwise_pipeline``) or ``"sequential"`` (oneshot's
-    default, each modifier through llmcompressor's sequential pipeline). ``auto``, on a
-    GPU: ``sequential`` where the activation cache stays on the GPU (``cache_on_gpu``,
-    ``calibration_settings``' choice), the faster one there (an H200, two Llama-2-7B-shaped
-    layers, 128 x 4096 tokens: Wanda 3.92 against 5.00 s per layer, Wisp+ 7.73 against
-    8.72, SparseGPT 14.50 against 14.54), and ours where the cache goes to the CPU, where
-    ours holds about half the GPU memory (5.5 against 13.8 GiB there) and the sequential
-    pipeline's round trips through the CPU cost most (Wanda 12.1 s per layer on an H100);
+    default, each modifier through llmcompressor's sequential pipeline). ``auto``: ours on
+    a GPU, the faster one there and the one that holds about half the GPU memory (an H100,
+    two Llama-2-7B-shaped layers, 128 x 4096 tokens, activation cache on the GPU: Wanda
+    3.25 against 3.56 s per layer, Wisp+ 7.77 against 7.96, SparseGPT 14.53 against 14.60;
+    5.5 against 13.8 GiB for Wanda), and more so where the cache goes to the CPU (the
+    sequential pipeline's round trips cost most there: Wanda 12.1 s per layer on an H100);
     ``sequential`` on a CPU. Checks ``$WHISPER_LAYERWISE_ATTENTION`` when ours is chosen."""
     import torch
 
     if choice not in PIPELINE_CHOICES:
         raise ValueError(f"pipeline must be one of {', '.join(PIPELINE_CHOICES)}; got {choice!r}")
     if choice == "auto":
-        on_gpu = torch.cuda.is_available()
-        choice = PIPELINE_NAME if on_gpu and not cache_on_gpu else "sequential"
+        choice = PIPELINE_NAME if torch.cuda.is_available() else "sequential"
     if choice == PIPELINE_NAME:
         check_attention_variable()
     return choice
