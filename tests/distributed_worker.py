@@ -5,7 +5,9 @@
     torchrun --nproc_per_node 2 tests/distributed_worker.py OUT
 
 ``WHISPER_MODIFIERS_FAIL_RANK=R`` makes rank R raise during calibration (the test that a
-failing rank stops the run).
+failing rank stops the run). ``--slow-rank R`` holds rank R back for a second before each
+deferred gamma solve and each of the model check's passes, where another rank could
+write weights that the ranks share (``modifiers.distributed``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--pipeline", help="oneshot's calibration pipeline (default: its own)")
     parser.add_argument("--attention", default="eager", help="the model's attn_implementation")
+    parser.add_argument("--slow-rank", type=int, help="a rank to hold back (module docstring)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,6 +62,8 @@ def main() -> int:
         return permutations
 
     pairing_module.pair_permutations = recording
+    if args.slow_rank == rank:
+        hold_back_where_weights_are_written()
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:100_000]
     dataset = calibration_dataset(tokenizer, text, args.num_sequences, 64, seed=0)
@@ -92,11 +97,32 @@ def main() -> int:
                 "perplexity": perplexity(model, heldout, 64, 8),
                 "gamma": {name: choice["gamma"] for name, choice in
                           getattr(recipe[0], "gamma_selection", dict)().items()},
+                "model_checks": {name: choice.get("model_check") for name, choice in
+                                 getattr(recipe[0], "gamma_selection", dict)().items()},
             }  # fmt: skip
     if rank == 0:
         torch.save({"world_size": distributed.world_size(), "results": results}, args.out)
     distributed.finish()
     return 0
+
+
+def hold_back_where_weights_are_written() -> None:
+    """Sleep a second before ``ModelCheck.defer_choice`` (a solve from the dense weights
+    while the other ranks may go on to solve the layer) and before each of the model
+    check's loss passes (while the other ranks may swap weights)."""
+    import time
+
+    from whisper_modifiers.modifiers import model_check
+
+    def slowed(function):
+        def wrapper(*args, **kwargs):
+            time.sleep(1.0)
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    model_check.ModelCheck.defer_choice = slowed(model_check.ModelCheck.defer_choice)
+    model_check.sequence_losses = slowed(model_check.sequence_losses)
 
 
 if __name__ == "__main__":

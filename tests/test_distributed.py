@@ -20,18 +20,16 @@ import torch
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, REPO
 from distributed_worker import METHODS
 
-# Run alone, after the parallel part of the test command (README: ``-m serial``). In two
-# runs of the whole suite under xdist (two workers), one comparison here saw
-# ``wisp:gamma=auto;gamma_folds=4`` at 2:4 differ between one process and two ranks (one
-# gamma choice: 0.3 % of the masks, perplexity -0.9 % and -1.5 %), a different pair each
-# time; never in a run of this module on its own (4 of 4, one beside two busy loops). The
-# cause is not found yet.
+# Run alone, after the parallel part of the test command (README: ``-m serial``).
 pytestmark = pytest.mark.serial
 
 WORKER = REPO / "tests" / "distributed_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LAYERWISE = ["--pipeline", "whisper_layerwise"]
 SDPA = ["--attention", "sdpa"]
+DEFERRING = ["--methods", "wisp:gamma=auto;gamma_folds=4", "--slow-rank", "0"]
+"""A method whose gamma choices the model check defers, rank 0 held back where the other
+rank could write weights the ranks share (``test_a_held_back_rank_reads_no_weight_...``)."""
 
 
 def run(command, timeout=600, **env):
@@ -85,6 +83,9 @@ def runs(tmp_path_factory):
         "layerwise_two": [*TORCHRUN, str(WORKER), str(root / "layerwise_two.pt"), *LAYERWISE],
         "sdpa": [sys.executable, str(WORKER), str(root / "sdpa.pt"), *LAYERWISE, *SDPA],
         "sdpa_two": [*TORCHRUN, str(WORKER), str(root / "sdpa_two.pt"), *LAYERWISE, *SDPA],
+        "held_back": [*TORCHRUN, str(WORKER), str(root / "held_back.pt"), *DEFERRING],
+        "layerwise_held_back": [*TORCHRUN, str(WORKER), str(root / "layerwise_held_back.pt"),
+                                *LAYERWISE, *DEFERRING],
     }  # fmt: skip
     # the model's SDPA on a CPU too (layerwise_pipeline.attention_implementation)
     jobs = {name: (command, {"LOG": str(root / f"{name}.log"), "WHISPER_LAYERWISE_ATTENTION":
@@ -129,6 +130,31 @@ def test_two_ranks_match_one_process(runs):
         assert cell["pairs"], method
         halves = cell["pairs_per_rank"]
         assert halves[0] == halves[1] == len(cell["pairs"]) // 2, method  # work was split
+
+
+def test_a_held_back_rank_reads_no_weight_another_rank_wrote(runs):
+    """Under torchrun the ranks of a node share one copy of the weights (llmcompressor's
+    sequential pipeline offloads them to compressed-tensors' ``DistributedCPUCache``): a
+    weight one rank writes is every rank's at once. With rank 0 a second late to its
+    deferred gamma solves and to the model check's passes, the other rank used to prune
+    the layer, or swap the checked weights in, under it: the deferred weights, the model
+    check's losses and (one run in four in CI) the masks were not one process's."""
+    key = DEFERRING[1]
+    for name in ("held_back", "layerwise_held_back"):
+        got, expected = runs[name]["results"], runs["one"]["results"]
+        assert runs[name]["world_size"] == 2
+        for sparsity in ("2:4", "0.5"):
+            cell, reference = got[f"{key}/{sparsity}"], expected[f"{key}/{sparsity}"]
+            assert agreement(reference["masks"], cell["masks"]) == 1.0, (name, sparsity)
+            assert cell["perplexity"] == reference["perplexity"], (name, sparsity)
+            assert cell["gamma"] == reference["gamma"], (name, sparsity)
+            checks = [check for check in reference["model_checks"].values() if check]
+            assert checks or sparsity == "0.5", "no deferred choice: nothing was tested"
+            for module, check in reference["model_checks"].items():
+                if check:  # the losses are sums over ranks: equal up to their order
+                    other = cell["model_checks"][module]["held_out_loss"]
+                    for side, loss in check["held_out_loss"].items():
+                        assert other[side] == pytest.approx(loss, rel=1e-12), (name, module)
 
 
 def test_batch_size_changes_neither_pairs_nor_masks(runs):

@@ -10,6 +10,13 @@ turned into the float32 means the solvers take (``CalibrationStatistics.reduce``
 the result is the one-process result, bit for bit. Each module is solved on one rank
 (``solve_on_owners``, compressed-tensors' ``greedy_bin_packing`` by weight size) and its
 pruned weight broadcast from there.
+
+The ranks may share their weights: llmcompressor's sequential pipeline offloads the model
+with compressed-tensors' ``DistributedCPUCache`` (``set_onload_device``), one copy of
+every weight per node in shared memory, so a weight one rank writes is at once every
+rank's. No rank writes a weight while another may still read the one it replaces
+(``wait_for_every_rank``: before a layer's solve, and before the model check swaps
+weights).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ __all__ = [
     "shard_bounds",
     "solve_on_owners",
     "sum_over_ranks",
+    "wait_for_every_rank",
     "world_size",
 ]
 
@@ -137,19 +145,29 @@ def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
     return float(_all_reduce(torch.tensor([value], dtype=torch.float64)).item())
 
 
+def wait_for_every_rank() -> None:
+    """Return once every rank is here (at once in one process): before a rank writes
+    weights that the ranks may share (module docstring)."""
+    if is_distributed():
+        dist.barrier()
+
+
 # ---- solving on one rank -----------------------------------------------------------------
 
 
 def solve_on_owners(statistics, modules: Iterable[torch.nn.Module], solve: Callable[[], None]):
     """Run ``solve`` (which prunes the modules left in ``statistics``, a
     ``CalibrationStatistics``) for the modules this rank owns, then broadcast every
-    module's pruned weight from its owner. In one process, just ``solve()``."""
+    module's pruned weight from its owner. No rank writes before every rank is done
+    reading the layer's weights (``wait_for_every_rank``; a deferred gamma choice solves
+    from the dense weights). In one process, just ``solve()``."""
     modules = list(modules)
     if not is_distributed():
         solve()
         return
     _, _, owner = greedy_bin_packing(list(modules), world_size(), lambda m: m.weight.numel())
     here = rank()
+    wait_for_every_rank()
     statistics.keep_only([module for module in statistics if owner.get(module, here) == here])
     solve()
     for module in modules:

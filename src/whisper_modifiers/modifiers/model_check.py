@@ -35,7 +35,11 @@ from compressed_tensors.utils import (
 from llmcompressor.modifiers.utils.hooks import HooksMixin
 from loguru import logger
 
-from whisper_modifiers.modifiers.distributed import all_reduce_sum, sequence_offset
+from whisper_modifiers.modifiers.distributed import (
+    all_reduce_sum,
+    sequence_offset,
+    wait_for_every_rank,
+)
 from whisper_modifiers.modifiers.layerwise_pipeline import chain_fault, recording_layers
 from whisper_modifiers.selection import select_gamma
 
@@ -155,6 +159,7 @@ class ModelCheck:
         last, first = self._entries(model, sequences, entering)
         reference = {module: module.weight.detach().to("cpu", copy=True) for module in chosen}
         reference_losses = sequence_losses(model, sequences, *last)
+        wait_for_every_rank()  # the ranks may share the weights (``distributed``)
         _write(chosen)
         chosen_losses = sequence_losses(model, sequences, *first)
         verdict, means, standard_errors, _ = select_gamma(
