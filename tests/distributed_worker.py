@@ -90,15 +90,15 @@ def main() -> int:
                 for name, module in model.named_modules()
                 if isinstance(module, torch.nn.Linear)
             }
+            selection = getattr(recipe[0], "gamma_selection", dict)()
             results[f"{method}/{label}"] = {
                 "masks": masks,
                 "pairs": {key: value for part in everyone for key, value in part.items()},
                 "pairs_per_rank": [len(part) for part in everyone],
                 "perplexity": perplexity(model, heldout, 64, 8),
-                "gamma": {name: choice["gamma"] for name, choice in
-                          getattr(recipe[0], "gamma_selection", dict)().items()},
-                "model_checks": {name: choice.get("model_check") for name, choice in
-                                 getattr(recipe[0], "gamma_selection", dict)().items()},
+                "gamma": {name: choice["gamma"] for name, choice in selection.items()},
+                "model_checks": {name: choice.get("model_check")
+                                 for name, choice in selection.items()},
             }  # fmt: skip
     if rank == 0:
         torch.save({"world_size": distributed.world_size(), "results": results}, args.out)

@@ -27,9 +27,10 @@ WORKER = REPO / "tests" / "distributed_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LAYERWISE = ["--pipeline", "whisper_layerwise"]
 SDPA = ["--attention", "sdpa"]
-DEFERRING = ["--methods", "wisp:gamma=auto;gamma_folds=4", "--slow-rank", "0"]
-"""A method whose gamma choices the model check defers, rank 0 held back where the other
-rank could write weights the ranks share (``test_a_held_back_rank_reads_no_weight_...``)."""
+DEFERRED = "wisp:gamma=auto;gamma_folds=4"  # a method whose gamma choices the check defers
+DEFERRING = ["--methods", DEFERRED, "--slow-rank", "0"]
+"""``DEFERRED`` alone, rank 0 held back where the other rank could write weights the ranks
+share (``test_a_held_back_rank_reads_no_weight_...``)."""
 
 
 def run(command, timeout=600, **env):
@@ -140,12 +141,11 @@ def test_a_held_back_rank_reads_no_weight_another_rank_wrote(runs):
     the layer, or swap the checked weights in, under it: the deferred weights, the model
     check's losses and (3 two-rank runs in 12 on a 2-core EPYC) the masks were not one
     process's."""
-    key = DEFERRING[1]
     for name in ("held_back", "layerwise_held_back"):
         got, expected = runs[name]["results"], runs["one"]["results"]
         assert runs[name]["world_size"] == 2
         for sparsity in ("2:4", "0.5"):
-            cell, reference = got[f"{key}/{sparsity}"], expected[f"{key}/{sparsity}"]
+            cell, reference = got[f"{DEFERRED}/{sparsity}"], expected[f"{DEFERRED}/{sparsity}"]
             assert agreement(reference["masks"], cell["masks"]) == 1.0, (name, sparsity)
             assert cell["perplexity"] == reference["perplexity"], (name, sparsity)
             assert cell["gamma"] == reference["gamma"], (name, sparsity)
