@@ -14,8 +14,9 @@ Workloads are ``prefill:NxL`` (N random prompts of L tokens, one token generated
 tokens counted) and ``decode:NxT`` (N prompts of 16 tokens, T tokens generated each, all
 counted). Each is timed ``--repeats`` times after a warm-up; the median is reported.
 ``--profile`` profiles one more run of each workload and keeps the ops with the most self
-time (device time where there is a GPU), and the calls of the 2:4 op and of cuSPARSELt's
-GEMM with their CPU time per call (where a plan built at every eager call would show).
+time (device time where there is a GPU), and the calls of the sparse ops (the GPU 2:4 op and
+cuSPARSELt's GEMM; the CPU op's 2:4 and unstructured layers) with their CPU time per call
+(where a plan built at every eager call would show).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, KERNEL_M
 
 DECODE_PROMPT = 16  # prompt tokens of a decode workload's sequences
 DEFAULT_WORKLOADS = ["prefill:32x2048", "decode:1x128", "decode:64x256", "decode:256x128"]
-WATCHED_OPS = ("sparse24_linear", "_cslt_sparse_mm")  # the 2:4 op and cuSPARSELt's GEMM
+# the GPU 2:4 op, cuSPARSELt's GEMM, and the CPU op (its 2:4 and unstructured layers)
+WATCHED_OPS = ("sparse24_linear", "_cslt_sparse_mm", "whisper_sparse_cpu::")
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,36 @@ def test_workloads_count_the_tokens_they_time():
     assert (decode.prompt_len, decode.max_tokens, decode.counted_tokens) == (16, 256, 16384)
 
 
+def test_profile_watches_the_cpu_op():
+    """``--profile`` reports the CPU op's calls and time per call, for its 2:4 and its
+    unstructured layers alike (it once watched only the GPU op's name)."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm_engine import profile_summary
+
+    from whisper_modifiers.sparse_serving.cpu.op import (
+        bitmask_cpu_linear,
+        cpu_kernels_unavailable,
+        sparse24_cpu_linear,
+    )
+    from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
+    from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+    from whisper_modifiers.sparse_serving.format.two_four import compress_24
+
+    if cpu_kernels_unavailable():
+        pytest.skip(cpu_kernels_unavailable())
+    x = torch.randn(2, 64)
+    two_four = compress_24(random_two_four(32, 64, torch.float32))
+    unstructured = compress_bitmask(random_unstructured(32, 64, torch.float32, 0.4))
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        sparse24_cpu_linear(x, *two_four, None, 64)
+        bitmask_cpu_linear(x, *unstructured, None, 64)
+        bitmask_cpu_linear(x, *unstructured, None, 64)
+    watched = profile_summary(profiler, on_gpu=False, top=5)["watched"]
+    entry = watched["whisper_sparse_cpu::"]
+    assert entry["calls"] == 3 and entry["cpu_us_per_call"] > 0
+    assert "_cslt_sparse_mm" not in watched
+
+
 def engine_result(tokens_per_s: float, rss_gib: float, dense_bytes: int = 0,
                   trimmed_gib: float | None = None) -> dict:  # fmt: skip
     return {"device": "H100", "weights": {"ratio": None, "packed_layers": 0,
