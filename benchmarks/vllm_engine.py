@@ -8,7 +8,9 @@ Run it with the serving environment's Python (vLLM and this package's plugin).
 ``benchmarks/vllm_speed.py`` runs one per checkpoint and kernel mode: a deleted engine does
 not give its GPU memory back, so a second engine in the same process fails its memory
 check. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
-profiler sees its forward passes and ``LLM.apply_model`` reaches its layers.
+profiler sees its forward passes and ``LLM.apply_model`` reaches its layers. It runs as vLLM
+runs by default (CUDA graphs on a GPU, the model compiled by torch.compile on a CPU) unless
+given ``--enforce-eager``.
 
 Workloads are ``prefill:NxL`` (N random prompts of L tokens, one token generated; prompt
 tokens counted) and ``decode:NxT`` (N prompts of 16 tokens, T tokens generated each, all
@@ -99,7 +101,8 @@ def engine_arguments(args, workloads: list[Workload], on_gpu: bool) -> dict:
         "max_num_seqs": max(max(w.sequences for w in workloads), 8),
         "skip_tokenizer_init": True,
         "seed": 0,
-        "enforce_eager": args.enforce_eager or not on_gpu,  # no graphs on a CPU
+        # else vLLM's default: CUDA graphs on a GPU, the model compiled by torch.compile on a CPU
+        "enforce_eager": args.enforce_eager,
     }
     if on_gpu:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -179,11 +182,13 @@ def resident_bytes(field: str = "VmRSS") -> int | None:
 
 
 def graph_settings(llm) -> dict:
-    """The step sizes the engine runs as CUDA graphs, and its largest step: chunked-prefill
-    steps above ``max_cudagraph_capture_size`` run eagerly."""
+    """The step sizes the engine runs as CUDA graphs, its largest step (chunked-prefill steps
+    above ``max_cudagraph_capture_size`` run without graphs) and its compilation mode
+    (``NONE``: eager)."""
     config = llm.llm_engine.vllm_config
     compilation = config.compilation_config
     return {
+        "compilation_mode": getattr(compilation.mode, "name", str(compilation.mode)),
         "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size", None),
         "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", None)),
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,

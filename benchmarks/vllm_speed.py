@@ -16,8 +16,10 @@ the bitmask layout. One engine per configuration runs, each in its own process
 each compressed one in each kernel ``--modes`` (``$WHISPER_MODIFIERS_SPARSE``: ``auto``
 keeps the dense weight beside the compressed one on GPUs, ``sparse`` the compressed one
 alone); each at each ``--capture-sizes`` (vLLM's ``max_cudagraph_capture_size``, 0 for
-vLLM's default). The engines run ``--rounds`` times, in turn (dense, 2:4, dense, 2:4, ...:
-on a shared machine one engine's speed moves from run to run), and each workload's
+vLLM's default; without graphs, as vLLM runs by default: compiled by torch.compile on a
+CPU, or eagerly with ``--enforce-eager``). The engines run ``--rounds`` times, in turn
+(dense, 2:4, dense, 2:4, ...: on a shared machine one engine's speed moves from run to
+run), and each workload's
 tokens/s is the median over the rounds of each engine's median over its ``--repeats``.
 Ratios are tokens/s over dense tokens/s at the same capture size: above 1 is faster. RSS
 saved is the dense engine's resident memory after loading less this engine's, over the
@@ -102,6 +104,8 @@ def engine_command(python: str, checkpoint: Path, label: str, mode: str, capture
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.profile:
         command.append("--profile")
+    if args.enforce_eager:
+        command.append("--enforce-eager")
     return command
 
 
@@ -201,12 +205,13 @@ def markdown(payload: dict) -> str:
         f"layout); {config['rounds']} rounds of the engines in turn, each workload "
         f"the median over the rounds of each engine's median of {config['repeats']} runs. "
         f"CPU: {payload.get('cpu', '?')}. Capture size 0 is vLLM's default "
-        "`max_cudagraph_capture_size`. Ratios are tokens/s over dense at the same capture "
-        "size; weights are what the compressed layers hold over their dense bytes; RSS saved is "
-        "dense's resident memory after load less this engine's, over those dense bytes; "
-        "trimmed: the same once each engine's freed heap pages went back to the OS "
-        "(`malloc_trim`, which the plugin calls after each compressed layer and dense vLLM "
-        "does not), the memory each really holds.",
+        "`max_cudagraph_capture_size`; without CUDA graphs, a step runs compiled "
+        "(torch.compile, vLLM's default on a CPU) or eager (`--enforce-eager`). Ratios are "
+        "tokens/s over dense at the same capture size; weights are what the compressed layers "
+        "hold over their dense bytes; RSS saved is dense's resident memory after load less "
+        "this engine's, over those dense bytes; trimmed: the same once each engine's freed "
+        "heap pages went back to the OS (`malloc_trim`, which the plugin calls after each "
+        "compressed layer and dense vLLM does not), the memory each really holds.",
         "",
         "| engine | capture | CUDA graphs ≤ / step ≤ (tokens) | weights | RSS after load "
         "(GiB) | RSS saved | RSS saved, trimmed | " + " | ".join(workloads) + " |",
@@ -229,8 +234,9 @@ def markdown(payload: dict) -> str:
         if result["weights"].get("packed_layers"):
             weights = "packed by vLLM's CPU GEMM"
         graphs = result["graphs"]
-        steps = (f"{graphs['max_cudagraph_capture_size'] or 'eager'} / "
-                 f"{graphs['max_num_batched_tokens']}")  # fmt: skip
+        compiled = graphs.get("compilation_mode", "NONE") != "NONE"
+        steps = (f"{graphs['max_cudagraph_capture_size'] or ('compiled' if compiled else 'eager')}"
+                 f" / {graphs['max_num_batched_tokens']}")  # fmt: skip
         rss = result.get("rss_after_load")
         rss = "–" if rss is None else f"{rss / 2**30:.2f}"
         saved = " | ".join("–" if result.get(key) is None else f"{result[key]:.2f}×"
@@ -282,6 +288,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="times every engine runs, the engines in turn (medians)",
     )
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the engines eagerly (default: as vLLM does, CUDA graphs on a GPU and the "
+        "model compiled by torch.compile on a CPU)",
+    )
     parser.add_argument("--timeout", type=float, default=ENGINE_TIMEOUT)
     parser.add_argument("--python", default=None, help="the serving environment's Python")
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -328,6 +328,37 @@ def test_vllm_speed_alternates_the_engines_and_takes_medians(tmp_path, monkeypat
     assert "| 2.50 | 0.50× | 0.25× | 150 (1.50×) |" in (tmp_path / "vllm_speed.md").read_text()
 
 
+@pytest.mark.parametrize(
+    ("flag", "mode", "shown"),
+    [([], "DYNAMO_TRACE_ONCE", "compiled"), (["--enforce-eager"], "NONE", "eager")],
+)
+def test_vllm_speed_runs_the_engines_as_vllm_does_unless_told_eager(tmp_path, monkeypatch, flag,
+                                                                    mode, shown):  # fmt: skip
+    """By default each engine runs as vLLM runs it (on a CPU: compiled by torch.compile, no
+    enforce_eager); ``--enforce-eager`` runs them all eagerly; the table says which."""
+    import vllm_speed
+    from vllm_engine import Workload, engine_arguments
+    from vllm_engine import parse_args as engine_options
+
+    def run_engine(command, out, timeout):
+        options = engine_options(command[2:])  # [python, vllm_engine.py, checkpoint, ...]
+        engine = engine_arguments(options, [Workload.parse("decode:2x8")], on_gpu=False)
+        assert engine["enforce_eager"] is bool(flag)
+        result = engine_result(100.0, 3)
+        result["graphs"] = {"max_cudagraph_capture_size": None, "max_num_batched_tokens": 80,
+                            "compilation_mode": mode}  # fmt: skip
+        return result
+
+    monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
+    argv = ["--shape", "tiny", "--layers", "1", "--modes", "sparse", "--workloads", "decode:2x8",
+            "--rounds", "1", "--python", sys.executable, "--out", str(tmp_path), *flag]  # fmt: skip
+    assert vllm_speed.main(argv) == 0
+    table = (tmp_path / "vllm_speed.md").read_text()
+    assert (
+        f"| dense | 0 | {shown} / 80 |" in table and f"| 2:4 sparse | 0 | {shown} / 80 |" in table
+    )
+
+
 def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
     import speed
 

@@ -162,12 +162,13 @@ def eval_windows(tokenizer):
     return evaluation_windows(ids, EVAL_LEN, EVAL_WINDOWS)
 
 
-def assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows) -> None:
-    """vLLM (float32) serving ``ckpt`` gives ``model``'s greedy tokens on ``PROMPTS`` and
-    its log-likelihoods on ``eval_windows``, not only the same argmax."""
+def assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows, enforce_eager=True) -> dict:
+    """vLLM (float32; eager, or as vLLM runs by default) serving ``ckpt`` gives ``model``'s
+    greedy tokens on ``PROMPTS`` and its log-likelihoods on ``eval_windows``, not only the
+    same argmax. Returns vLLM's answer."""
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32",
-                      timeout=VLLM_TIMEOUT)  # fmt: skip
+                      timeout=VLLM_TIMEOUT, enforce_eager=enforce_eager)  # fmt: skip
     for ids, vllm_tokens in zip(prompts, served["completions"], strict=True):
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
@@ -175,6 +176,7 @@ def assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows) -> None:
     with torch.no_grad():
         reference = perplexity(model, torch.cat(eval_windows), EVAL_LEN, EVAL_WINDOWS)
     assert scores_perplexity(served["scores"]) == pytest.approx(reference, rel=1e-3)
+    return served
 
 
 def reloaded_as_the_dense_layout(checkpoint, recipe: str, bytes_ratio: float):
@@ -224,6 +226,18 @@ def test_whisper_50_is_stored_in_the_bitmask_layout_and_served_as_transformers_c
     gate = model.model.layers[0].mlp.gate_proj.weight
     assert (gate == 0).float().mean() == pytest.approx(0.5, abs=0.01)
     assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows)
+
+
+@pytest.mark.parametrize(("recipe", "bytes_ratio"), [("whisper_2of4", 0.56), ("whisper_50", 0.58)])
+def test_vllms_default_compiled_engine_serves_both_layouts(checkpoint, tokenizer, eval_windows,
+                                                           recipe, bytes_ratio):  # fmt: skip
+    """Without ``enforce_eager``, vLLM compiles the model (on a CPU: torch.compile with
+    inductor, traced once): the plugin's layers stay in the compiled graph (the CPU op is a
+    torch.library op with a fake kernel) and the 2:4 and 50 % checkpoints are served with
+    transformers' greedy tokens and log-likelihoods, as in eager mode."""
+    ckpt, model = reloaded_as_the_dense_layout(checkpoint, recipe, bytes_ratio)
+    served = assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows, enforce_eager=False)
+    assert served["compilation"]["mode"] != "NONE", served["compilation"]
 
 
 @pytest.mark.parametrize(
@@ -557,7 +571,7 @@ def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
     speed = runpy.run_path(str(REPO / "benchmarks" / "vllm_speed.py"))
     argv = ["--shape", "tiny", "--layers", "2", "--dtype", "float32", "--modes", "sparse",
             "--sparsity", "2:4", "0.5", "--workloads", "prefill:2x64", "decode:2x8",
-            "--repeats", "1", "--rounds", "1", "--profile",
+            "--repeats", "1", "--rounds", "1", "--profile", "--enforce-eager",
             "--timeout", str(VLLM_TIMEOUT), "--out", str(tmp_path)]  # fmt: skip
     assert speed["main"](argv) == 0
     engines = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]

@@ -10,11 +10,12 @@ serving environment's Python.
 The request holds ``model``, ``dtype``, ``max_model_len``, ``tensor_parallel_size``
 (vLLM's ``mp`` executor above 1), ``prompts`` (lists of token ids, completed greedily for
 ``max_tokens`` tokens) and ``score`` (lists of token ids whose log-likelihood vLLM
-reports through ``prompt_logprobs``). The answer holds ``completions``
-(generated token ids per prompt), ``scores`` (per sequence: the summed negative
-log-likelihood of every token after the first, and how many tokens that is) and
-``seconds`` (the wall time of the greedy generation, after a one-token warm-up, and of
-the scoring).
+reports through ``prompt_logprobs``), and may hold ``enforce_eager`` (default true; false
+runs vLLM's default, which on a CPU compiles the model with torch.compile). The answer
+holds ``completions`` (generated token ids per prompt), ``scores`` (per sequence: the
+summed negative log-likelihood of every token after the first, and how many tokens that
+is), ``seconds`` (the wall time of the greedy generation, after a one-token warm-up, and
+of the scoring) and ``compilation`` (the engine's compilation mode and backend).
 
 A request with ``"probe"`` instead serves the checkpoint in one ``dtype`` the way a served
 request runs (``probe_serving``): the answer says whether it ran (``accepted``), what the
@@ -190,14 +191,17 @@ def main(request_path: str) -> int:
         model=request["model"],
         dtype=request.get("dtype", "auto"),
         max_model_len=request.get("max_model_len", 512),
-        enforce_eager=True,
+        enforce_eager=request.get("enforce_eager", True),
         seed=0,
         tensor_parallel_size=parallel,
         **({"distributed_executor_backend": "mp"} if parallel > 1 else {}),
     )
     import time
 
-    answer = {"completions": [], "scores": [], "seconds": {}}
+    compilation = llm.llm_engine.vllm_config.compilation_config
+    answer = {"completions": [], "scores": [], "seconds": {},
+              "compilation": {"mode": getattr(compilation.mode, "name", str(compilation.mode)),
+                              "backend": compilation.backend}}  # fmt: skip
     if request.get("prompts"):
         greedy = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16))
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
