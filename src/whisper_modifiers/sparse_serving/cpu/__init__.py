@@ -1,8 +1,9 @@
 """The CPU engine: native kernels for compressed layers on x86 CPUs.
 
 * ``kernels/``: one C++ file per instruction set (AVX2, AVX-512, AVX-512 BF16 and its 2:4
-  and unstructured GEMMs), the op's run-time dispatch (``op.cpp``) and its GEMM path over
-  the threads (``op_gemm.cpp``);
+  and unstructured GEMMs), the torch ops and their paths by token count (``op.cpp``), the
+  run-time dispatch from the CPU's flags (``op_isa.cpp``) and the GEMM path over the
+  threads (``op_gemm.cpp``);
 * ``build``: compiled on first use into the cache; ``op``: the ``torch.library`` op, its
   wrappers and the pure-torch reference the tests compare with;
 * ``plans``: which path (rows, GEMM, tiles) each shape takes, measured and cached;

@@ -1,4 +1,4 @@
-// The torch ops over the kernels of sparse_kernels.h, and their run-time dispatch from the CPU's flags.
+// The torch ops over the kernels of sparse_kernels.h; their dispatch by CPU flags is op_isa.cpp.
 //
 //   whisper_sparse_cpu::linear(x, compressed, bitmask, bias, in_features, gemm_from,
 //                                tiled_from, lanes_until=0)
@@ -29,49 +29,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
-#include <string>
 
 #include "op_gemm.h"
+#include "op_isa.h"
 #include "sparse_kernels.h"
 
 namespace whisper_sparse {
 namespace {
-
-enum Isa : int { kNone = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-const char* const kIsaNames[] = {"none", "avx2", "avx512", "avx512_bf16"};
-
-// The best kernels this CPU and its OS run (libgcc checks that the OS saves the vector state).
-int detected_isa() {
-  __builtin_cpu_init();
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return kNone;
-  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2")))
-    return kAvx2;
-  return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
-}
-
-std::atomic<int> cap{kAvx512Bf16};
-
-int active_isa() { return std::min(detected_isa(), cap.load()); }
-
-std::string isa() { return kIsaNames[active_isa()]; }
-
-void set_isa(const std::string& name) {
-  if (name == "auto") {
-    cap = kAvx512Bf16;
-    return;
-  }
-  for (int level = kNone; level <= kAvx512Bf16; ++level) {
-    if (name == kIsaNames[level]) {
-      TORCH_CHECK(level <= detected_isa(), "set_isa: this CPU has no ", name, " kernels (it runs ",
-                  kIsaNames[detected_isa()], ")");
-      cap = level;
-      return;
-    }
-  }
-  TORCH_CHECK(false, "set_isa: name must be auto, none, avx2, avx512 or avx512_bf16; got ", name);
-}
 
 WeightType weight_type(const at::Tensor& compressed) {
   TORCH_CHECK(compressed.scalar_type() == at::kFloat || compressed.scalar_type() == at::kBFloat16,
