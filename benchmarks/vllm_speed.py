@@ -19,8 +19,8 @@ alone); each at each ``--capture-sizes`` (vLLM's ``max_cudagraph_capture_size``,
 vLLM's default; without graphs, as vLLM runs by default: compiled by torch.compile on a
 CPU, or eagerly with ``--enforce-eager``). The engines run ``--rounds`` times, in turn
 (dense, 2:4, dense, 2:4, ...: on a shared machine one engine's speed moves from run to
-run), and each workload's
-tokens/s is the median over the rounds of each engine's median over its ``--repeats``.
+run), and each workload's tokens/s is the median over the rounds of each engine's median
+over its ``--repeats``.
 Ratios are tokens/s over dense tokens/s at the same capture size: above 1 is faster. RSS
 saved is the dense engine's resident memory after loading less this engine's, over the
 dense bytes of the compressed layers' weights. Writes ``vllm_speed.md`` and

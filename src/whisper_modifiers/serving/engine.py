@@ -117,7 +117,7 @@ def serve_command(
         command += ["--served-model-name", *served_model_names(checkpoint, served_model_name)]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
-    if on_cpu():  # eager: compiled (vLLM's default) decoded 1-6 % faster but started 30-40 s
+    if on_cpu():  # eager: compiled (vLLM's default) decoded 1-6 % faster but started 25-40 s
         command.append("--enforce-eager")  # later (docs/serving.md); `-- --no-enforce-eager`
     return command + list(extra_args)
 
