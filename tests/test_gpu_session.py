@@ -137,12 +137,21 @@ def failing_stage(monkeypatch, command):
     monkeypatch.setattr(gpu_session, "stage_commands", lambda stage, out, smoke: [command])
 
 
-def test_a_failing_stage_stops_the_rest_with_its_log(tmp_path, monkeypatch, capsys):
+def test_a_failing_stage_is_reported_and_the_next_still_runs(tmp_path, monkeypatch, capsys):
     failing_stage(monkeypatch, [sys.executable, "-c", "print('half done'); raise SystemExit(3)"])
-    assert gpu_session.run_stages(["prune", "serve"], tmp_path, False, False) == 1
+    assert gpu_session.run_stages(["cuda-tests", "profile"], tmp_path, False, False) == 1
     output = capsys.readouterr().out
-    assert "stage prune failed (3)" in output and "serve" not in output.split("failed")[1]
-    assert (tmp_path / "prune.log").read_text() == "half done\n"
+    assert "stage cuda-tests failed (3)" in output and "stage profile failed (3)" in output
+    assert (tmp_path / "cuda-tests.log").read_text() == "half done\n"
+    assert (tmp_path / "profile.log").read_text() == "half done\n"
+
+
+def test_a_failing_install_stops_the_stages_that_need_it(tmp_path, monkeypatch, capsys):
+    failing_stage(monkeypatch, [sys.executable, "-c", "raise SystemExit(2)"])
+    assert gpu_session.run_stages(["install-prune", "prune"], tmp_path, False, False) == 1
+    output = capsys.readouterr().out
+    assert "stage install-prune failed (2)" in output and "prune.log" not in output
+    assert not (tmp_path / "prune.log").exists()
 
 
 def test_a_stage_past_the_time_limit_is_stopped(tmp_path, monkeypatch, capsys):

@@ -63,7 +63,8 @@ def test_stock_modifiers_give_the_sequential_pipelines_bits(
     if name == "gptq_w8a8_with_lm_head":  # calibrated on the last layer's outputs
         dense = load_model().lm_head.weight
         assert "lm_head.weight_scale" in layerwise
-        assert not torch.equal(layerwise["lm_head.weight"], dense)
+        # on a GPU the state stays where oneshot put the model (an H200 failed here on cuda:0)
+        assert not torch.equal(layerwise["lm_head.weight"].cpu(), dense)
 
 
 def test_a_model_whose_layers_are_no_chain_falls_back_in_one_line(tokenizer, calibration):
