@@ -53,7 +53,7 @@ TOKENS = [1, 4, 16, 64, 512]
 def cpu_line() -> str:
     import torch
 
-    from whisper_modifiers.serving.probe import CPU_FLAGS, cpu_flag_set, cpu_model
+    from whisper_modifiers.sparse_serving.cpu.cpu_info import CPU_FLAGS, cpu_flag_set, cpu_model
     from whisper_modifiers.sparse_serving.cpu.op import cpu_isa
 
     flags = cpu_flag_set()

