@@ -200,6 +200,10 @@ def test_plan_runs_each_token_count_on_the_path_that_won_there():
         "rows", "rows", "gemm", "gemm", "tiles", "tiles"]  # fmt: skip
     assert plan.speedups[0] == (1, 2.0) and plan.speedups[2] == (16, 3.0 / 3.5)
     assert "gemm from 16" in plan.describe() and "tiles from 256" in plan.describe()
+    slower = "slower than dense at 16, 64, 256 tokens: WHISPER_MODIFIERS_SPARSE=dense"
+    assert slower in plan.describe()
+    faster = timings_table([(t, 1.0, 1.0, 1.0, 2.0) for t in (1, 4, 16)])
+    assert "slower" not in plan_from_timings(faster).describe()
     timings[4]["tiles_s"] = 19.5  # faster than the GEMM, but within its margin: the GEMM keeps it
     assert plan_from_timings(timings).tiled_from == NO_TILES
     timings[4]["tiles_s"] = 25.0  # tiles lose at the top: never tiles, the GEMM to the end

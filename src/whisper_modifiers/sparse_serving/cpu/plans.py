@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from whisper_modifiers.sparse_serving.cpu.build import loaded_build_key
+from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_identity
 from whisper_modifiers.sparse_serving.cpu.op import (
     NO_TILES,
     bitmask_cpu_linear,
@@ -41,6 +42,7 @@ from whisper_modifiers.sparse_serving.cpu.op import (
 )
 from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
 from whisper_modifiers.sparse_serving.format.two_four import compress_24
+from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE
 from whisper_modifiers.sparse_serving.paths import cache_dir, write_json_atomically
 
 __all__ = [
@@ -100,8 +102,20 @@ class CpuPlan:
         ranges = [f"{path} from {start}" for path, start, end in bounds
                   if start < NO_TILES and (end is None or start < end)]  # fmt: skip
         ratios = ", ".join(f"{ratio:.2f}x at {tokens}" for tokens, ratio in self.speedups)
-        return f"{'; '.join(ranges)} tokens" + (f" (dense time / op time: {ratios})"
-                                                if ratios else "")  # fmt: skip
+        line = f"{'; '.join(ranges)} tokens" + (f" (dense time / op time: {ratios})"
+                                              if ratios else "")  # fmt: skip
+        return line + self._slower_than_dense()
+
+    def _slower_than_dense(self) -> str:
+        """Where the op lost to dense above one token (an AMX Xeon's batched steps: oneDNN's
+        AMX GEMM reads a dense weight at one token's cost), the token counts and the way to
+        serve dense; nothing elsewhere (one token decides ``auto``: ``faster_at_decode``)."""
+        losses = [tokens for tokens, ratio in self.speedups if tokens > 1 and ratio < 1.0]
+        if not losses:
+            return ""
+        return (f"; slower than dense at {', '.join(map(str, losses))} tokens: "
+                f"{KERNEL_MODE_VARIABLE}=dense serves such layers decompressed, "
+                f"at the dense weights' memory")  # fmt: skip
 
 
 def random_two_four(rows: int, columns: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -219,12 +233,7 @@ _known: dict[str, CpuPlan] = {}
 
 
 def _cpu_key() -> str:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    lines = [line for line in cpuinfo.splitlines() if line.startswith(("model name", "flags"))]
-    return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()[:16]
+    return hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
 
 
 def plan_cache_file() -> Path:
