@@ -48,6 +48,7 @@ SHAPES = {  # (out, in) of each projection as vLLM runs it
            "down": (4096, 14336)},
 }  # fmt: skip
 TOKENS = [1, 4, 16, 64, 512]
+PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")  # the table's columns, plans.PATHS's order
 
 
 def cpu_line() -> str:
@@ -97,7 +98,8 @@ def vllm_dense_linear():
 
 def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     """``copies`` random weights of the layout (``2:4``, or unstructured at ``sparsity``),
-    their compressed bytes, and ``run(x, tiled_from, gemm_from)`` of the op on each."""
+    their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_tiles)``
+    of the op on each."""
     from whisper_modifiers.sparse_serving.cpu.op import bitmask_cpu_linear, sparse24_cpu_linear
     from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
     from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
@@ -106,16 +108,14 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     if sparsity == "2:4":
         dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
         stored = [compress_24(weight) for weight in dense]
-        runs = [lambda x, t, g, lanes, c=c, b=b: sparse24_cpu_linear(x, c, b, None, columns, t,
-                                                                     g, lanes)
-                for c, b in stored]  # fmt: skip
+        runs = [lambda x, t, g, lanes, brgemm, c=c, b=b: sparse24_cpu_linear(
+            x, c, b, None, columns, t, g, lanes, brgemm) for c, b in stored]  # fmt: skip
         return dense, rows * (columns // 2 * dtype.itemsize + -(-columns // 8)), runs
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
-    runs = [lambda x, t, g, lanes, v=v, b=b, o=o: bitmask_cpu_linear(x, v, b, o, None, columns,
-                                                                     t, g)
-            for v, b, o in stored]  # fmt: skip
+    runs = [lambda x, t, g, lanes, brgemm, v=v, b=b, o=o: bitmask_cpu_linear(
+        x, v, b, o, None, columns, t, g, brgemm) for v, b, o in stored]  # fmt: skip
     values, bitmask, offsets = stored[0]
     size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
     return dense, size, runs
@@ -126,7 +126,7 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     import torch
     import torch.nn.functional as F
 
-    from whisper_modifiers.sparse_serving.cpu.op import gemm_runs
+    from whisper_modifiers.sparse_serving.cpu.op import brgemm_kernel, gemm_runs
     from whisper_modifiers.sparse_serving.cpu.plans import PATH_THRESHOLDS, cpu_plan
 
     dense_bytes = rows * columns * dtype.itemsize
@@ -135,8 +135,10 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     plan = cpu_plan(rows, columns, dtype, None if sparsity == "2:4" else 1 - float(sparsity))
     linear_for = vllm_dense_linear()
     vllm_dense = [linear_for(weight) for weight in dense] if linear_for else []
-    paths = {"op": (plan.tiled_from, plan.gemm_from, plan.lanes_until)} | PATH_THRESHOLDS
+    paths = {"op": (plan.tiled_from, plan.gemm_from, plan.lanes_until, plan.brgemm_tiles)}
+    paths |= PATH_THRESHOLDS
     gemm = gemm_runs(dtype, dtype)
+    brgemm = gemm and brgemm_kernel() != "none"  # the micro-kernel's tiles, in bfloat16
     results = []
     with torch.no_grad():
         for count in tokens:
@@ -144,13 +146,15 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
             sides = {"dense": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
             if vllm_dense:
                 sides["vllm_dense"] = [lambda f=f, x=x: f(x) for f in vllm_dense]
-            for label, (tiled_from, gemm_from, lanes) in paths.items():
+            for label, (tiled_from, gemm_from, lanes, brgemm_tiles) in paths.items():
                 if ((label == "rows" and count > args.rows_up_to)
                         or (label in ("gemm", "lanes") and not gemm)
-                        or (label == "lanes" and sparsity != "2:4")):  # fmt: skip
+                        or (label == "lanes" and sparsity != "2:4")
+                        or (label == "brgemm" and not brgemm)):  # fmt: skip
                     continue
-                sides[label] = [lambda r=r, t=tiled_from, g=gemm_from, lanes=lanes, x=x:
-                                r(x, t, g, lanes) for r in runs]  # fmt: skip
+                sides[label] = [lambda r=r, t=tiled_from, g=gemm_from, lanes=lanes,
+                                b=brgemm_tiles, x=x: r(x, t, g, lanes, b)
+                                for r in runs]  # fmt: skip
             times = alternating_medians(sides, args.repeats)
             row = {"tokens": count, "seconds": times, "copies": copies,
                    "ratio": times["dense"] / times["op"], "op_path": plan.path(count),
@@ -174,23 +178,24 @@ def markdown(payload: dict) -> str:
              f"CPU: {payload['cpu']}", "",
              "Ratio: dense time / op time (above 1: the op is faster); the op as served "
              "(its measured plan picks row kernels, GEMM or tiles; lanes: a 2:4 layer "
-             "in the unstructured GEMM, the tokens in the lanes). Each time is the "
+             "in the unstructured GEMM, the tokens in the lanes; brgemm: the tiles through "
+             "oneDNN's micro-kernel, AMX tiles where the CPU has them). Each time is the "
              "median of rounds that run every side in turn. GiB/s: weight bytes read per "
              "second (compressed for the op); -: not measured (rows above "
-             f"{payload['rows_up_to']} tokens; a GEMM where it does not run)."
+             f"{payload['rows_up_to']} tokens; a path where it does not run)."
              + (" vLLM dense: vLLM's own CPU GEMM (`onednn_mm` on a weight oneDNN packed "
                 "once), as its dense layers run; the last ratio is against it." if vllm else ""),
              "", "| model | projection | tokens | dense ms | op ms | op path | ratio | rows ms | "
-             "gemm ms | lanes ms | tiles ms | dense GiB/s | op GiB/s |"
+             "gemm ms | lanes ms | tiles ms | brgemm ms | dense GiB/s | op GiB/s |"
              + (" vLLM dense ms | ratio to vLLM dense |" if vllm else ""),
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
              + ("---:|---:|" if vllm else "")]  # fmt: skip
     for key, rows in payload["shapes"].items():
         model, projection = key.split("/")
         for row in rows:
             s = row["seconds"]
             path_ms = " | ".join(f"{s[path] * 1e3:.3f}" if path in s else "-"
-                                 for path in ("rows", "gemm", "lanes", "tiles"))  # fmt: skip
+                                 for path in PATHS)  # fmt: skip
             against_vllm = (f" {s['vllm_dense'] * 1e3:.3f} | **{row['vllm_ratio']:.2f}×** |"
                             if vllm else "")  # fmt: skip
             lines.append(

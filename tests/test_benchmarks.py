@@ -227,6 +227,29 @@ def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cpu_op_benchmark_times_the_micro_kernels_tiles_where_they_run(tmp_path, monkeypatch):
+    """In bfloat16, the table has the tiles through oneDNN's micro-kernel ("brgemm") wherever
+    they run (AMX tiles or AVX512_BF16), so an AMX session measures them beside ATen's."""
+    import cpu_sparse24
+
+    from whisper_modifiers.sparse_serving.cpu.op import (
+        brgemm_kernel,
+        cpu_kernels_unavailable,
+        gemm_runs,
+    )
+
+    if cpu_kernels_unavailable():
+        pytest.skip(cpu_kernels_unavailable())
+    monkeypatch.setattr(cpu_sparse24, "SHAPES", {"7B": {"o": (64, 512)}})
+    argv = ["--tokens", "16", "--repeats", "1", "--working-set", "1", "--out", str(tmp_path)]
+    assert cpu_sparse24.main(argv) == 0
+    (payload,) = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
+    (row,) = payload["shapes"]["7B/o"]
+    runs = brgemm_kernel() != "none" and gemm_runs(torch.bfloat16, torch.bfloat16)
+    assert ("brgemm" in row["seconds"]) is runs
+    assert "brgemm ms" in next(tmp_path.glob("*.md")).read_text()
+
+
 def test_the_cpu_op_benchmark_runs_without_the_serving_driver():
     """A GPU machine's image has torch but neither loguru nor llmcompressor (an H200's host
     CPU, an AMX Xeon, failed here): the op benchmark labels its CPU without them."""

@@ -26,6 +26,7 @@ from whisper_modifiers.sparse_serving.cpu.op import (
     NO_TILES,
     bitmask_cpu_linear,
     bitmask_decompress_cpu,
+    brgemm_kernel,
     cpu_isa,
     cpu_kernels_unavailable,
     decompress_cpu,
@@ -37,6 +38,7 @@ from whisper_modifiers.sparse_serving.cpu.op import (
 )
 from whisper_modifiers.sparse_serving.cpu.plans import (
     PATH_THRESHOLDS,
+    bitmask_thresholds,
     plan_from_timings,
     random_two_four,
 )
@@ -87,6 +89,18 @@ def test_the_isas_follow_the_cpu_flags():
             set_cpu_isa(CPU_ISAS[len(expected)])
 
 
+def test_the_tiles_micro_kernel_runs_where_onednn_runs_bfloat16():
+    """oneDNN's micro-kernel (cpublas::brgemm) answers on every AVX-512 BF16 CPU that torch's
+    oneDNN drives (so the exactness tests' "brgemm" path is the micro-kernel's there, not
+    ATen's tiles); "amx" only where the CPU has AMX."""
+    kernel = brgemm_kernel()
+    assert kernel in ("amx", "avx512", "none")
+    if cpu_isa() == "avx512_bf16":
+        assert kernel != "none"
+    if not {"amx_bf16", "amx_tile"} & cpu_flag_set():
+        assert kernel != "amx"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decompress_kernel_equals_the_format(isa, dtype):
     generator = torch.Generator().manual_seed(0)
@@ -97,8 +111,10 @@ def test_decompress_kernel_equals_the_format(isa, dtype):
         assert torch.equal(decompress_24(compressed, bitmask, (rows, columns)), weight)
 
 
-# (tiled_from, gemm_from, lanes_until) of each path: the GEMMs run where gemm_runs says, the
-# rows elsewhere; "lanes": a 2:4 layer in the unstructured GEMM (an unstructured layer's GEMM)
+# (tiled_from, gemm_from, lanes_until, brgemm_tiles) of each path: the GEMMs run where
+# gemm_runs says, the rows elsewhere; "lanes": a 2:4 layer in the unstructured GEMM (an
+# unstructured layer's GEMM); "brgemm": the tiles through oneDNN's micro-kernel where it runs
+# (brgemm_kernel), else ATen's
 PATHS = PATH_THRESHOLDS
 BITMASK_PATHS = [path for path in PATHS if path != "lanes"]
 
@@ -119,7 +135,8 @@ def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
         for tokens in TOKENS:
             x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
             bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
-            bf16_tiles = path == "tiles" and weight_dtype == torch.bfloat16 and isa == "avx512_bf16"
+            bf16_tiles = (path in ("tiles", "brgemm") and weight_dtype == torch.bfloat16
+                          and isa == "avx512_bf16")  # fmt: skip
             exact_in = torch.bfloat16 if bf16_tiles else x_dtype
             exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
             expected = exact.to(exact_in).to(x_dtype)
@@ -169,10 +186,10 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     compressed, bitmask = compress_24(weight)
     x = torch.randn(5, 128).to(torch.bfloat16)
     op = torch.ops.whisper_sparse_cpu.linear.default
-    for tiled_from, gemm_from, lanes_until in PATHS.values():
+    for tiled_from, gemm_from, lanes_until, brgemm_tiles in PATHS.values():
         torch.library.opcheck(
             op,
-            (x, compressed, bitmask, None, 128, gemm_from, tiled_from, lanes_until),
+            (x, compressed, bitmask, None, 128, gemm_from, tiled_from, lanes_until, brgemm_tiles),
             test_utils=("test_schema", "test_faketensor"),
         )
 
@@ -212,6 +229,26 @@ def test_plan_runs_each_token_count_on_the_path_that_won_there():
     assert (plan.gemm_from, plan.tiled_from, plan.faster_at_decode) == (16, NO_TILES, False)
     timings[2]["gemm_s"] = 4.5  # the GEMM loses at 16 tokens: from 64, after its last loss
     assert plan_from_timings(timings).gemm_from == 64
+
+
+def test_plan_takes_the_micro_kernels_tiles_where_they_beat_atens():
+    """Where the micro-kernel's tiles are timed ("brgemm", on AMX), each count weighs the
+    faster tiles, and the tiles run through the micro-kernel if it took less time in all."""
+    timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (4, 2.0, 3.0, 3.0, 2.0),
+                             (16, 4.0, 3.5, 5.0, 5.0), (64, 9.0, 8.0, 9.0, 9.0)])  # fmt: skip
+    for timing, brgemm in zip(timings, (4.0, 4.0, 2.0, 4.0), strict=True):
+        timing["brgemm_s"] = brgemm
+    plan = plan_from_timings(timings)
+    assert (plan.gemm_from, plan.tiled_from, plan.brgemm_tiles) == (NO_TILES, 16, True)
+    assert [plan.path(t) for t in (1, 15, 16, 64)] == ["rows", "rows", "brgemm", "brgemm"]
+    assert plan.speedups[2] == (16, 2.5) and "brgemm tiles from 16" in plan.describe()
+    timings[2]["brgemm_s"], timings[3]["brgemm_s"] = 3.0, 12.0  # the faster at 16 only
+    timings[3]["tiles_s"] = 7.0
+    plan = plan_from_timings(timings)  # from 16, in all slower than ATen's tiles: ATen's
+    assert (plan.tiled_from, plan.brgemm_tiles, plan.path(16)) == (16, False, "tiles")
+    for timing in timings:  # not timed (no AMX): ATen's tiles win from 64 alone
+        del timing["brgemm_s"]
+    assert plan_from_timings(timings).tiled_from == 64
 
 
 def test_a_two_four_plan_takes_the_lanes_gemm_where_it_beat_the_two_four_gemm():
@@ -365,12 +402,12 @@ def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path)
             for tokens in (1, 2, 3, 5, 17, 30, 70):
                 x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
                 bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
-                bf16_tiles = (path == "tiles" and weight_dtype == torch.bfloat16
+                bf16_tiles = (path in ("tiles", "brgemm") and weight_dtype == torch.bfloat16
                               and isa == "avx512_bf16")  # fmt: skip
                 exact_in = torch.bfloat16 if bf16_tiles else x_dtype
                 exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
                 got = bitmask_cpu_linear(x, values, bitmask, row_offsets, bias, columns,
-                                         *PATHS[path][:2])  # fmt: skip
+                                         *bitmask_thresholds(PATHS[path]))  # fmt: skip
                 assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns, tokens)
 
 
@@ -387,7 +424,7 @@ def test_bitmask_op_follows_the_reference_on_real_values(isa):
             scale = x.double().abs() @ weight.double().abs().t() + 1
             for path in BITMASK_PATHS:
                 got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000,
-                                         *PATHS[path][:2])  # fmt: skip
+                                         *bitmask_thresholds(PATHS[path]))  # fmt: skip
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + 2.0**-8 * reference.abs()).all(), tokens
 

@@ -102,7 +102,8 @@ class CpuSparse24Linear(_CpuCompressedLinear):
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
         plan = self.plan or self.plan_paths()
         return sparse24_cpu_linear(x, self.compressed, self.bitmask, bias, self.in_features,
-                                   plan.tiled_from, plan.gemm_from, plan.lanes_until)  # fmt: skip
+                                   plan.tiled_from, plan.gemm_from, plan.lanes_until,
+                                   plan.brgemm_tiles)  # fmt: skip
 
 
 class CpuBitmaskLinear(_CpuCompressedLinear):
@@ -143,7 +144,8 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
         plan = self.plan or self.plan_paths()
         return bitmask_cpu_linear(x, self.compressed, self.bitmask, self.row_offsets, bias,
-                                  self.in_features, plan.tiled_from, plan.gemm_from)  # fmt: skip
+                                  self.in_features, plan.tiled_from, plan.gemm_from,
+                                  plan.brgemm_tiles)  # fmt: skip
 
 
 def cpu_serving_refusal(device: torch.device | str, dtype: torch.dtype) -> str | None:

@@ -44,6 +44,7 @@ __all__ = [
     "cpu_isa",
     "cpu_kernels_unavailable",
     "bitmask_cpu_linear",
+    "brgemm_kernel",
     "bitmask_decompress_cpu",
     "decompress_cpu",
     "gemm_runs",
@@ -86,7 +87,8 @@ def _linear():
 
 def _register_fake() -> None:
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::linear")
-    def _(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from, lanes_until=0):
+    def _(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from, lanes_until=0,
+          brgemm_tiles=False):  # fmt: skip
         return x.new_empty(*x.shape[:-1], compressed.shape[0])
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::decompress")
@@ -94,7 +96,8 @@ def _register_fake() -> None:
         return compressed.new_empty(compressed.shape[0], in_features)
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_linear")
-    def _(x, values, bitmask, row_offsets, bias, in_features, gemm_from, tiled_from):
+    def _(x, values, bitmask, row_offsets, bias, in_features, gemm_from, tiled_from,
+          brgemm_tiles=False):  # fmt: skip
         return x.new_empty(*x.shape[:-1], bitmask.shape[0])
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_decompress")
@@ -119,6 +122,12 @@ def set_cpu_isa(name: str) -> None:
         _ops().set_isa(name)
 
 
+def brgemm_kernel() -> str:
+    """Where the tiles' oneDNN micro-kernel (``brgemm_tiles``) runs: ``"amx"`` (AMX tiles),
+    ``"avx512"`` (its AVX512_BF16 kernel) or ``"none"`` (the tiles call ATen's GEMM)."""
+    return "none" if cpu_kernels_unavailable() else _ops().brgemm_kernel()
+
+
 def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     """Whether the op's GEMMs (2:4 and unstructured) run ``x_dtype`` activations with
     ``weight_dtype`` weights here: bfloat16 both, on the ``avx512_bf16`` kernels (elsewhere
@@ -128,26 +137,27 @@ def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
 
 def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
                         bias: torch.Tensor | None, in_features: int, tiled_from: int = NO_TILES,
-                        gemm_from: int = NO_TILES,
-                        lanes_until: int = 0) -> torch.Tensor:  # fmt: skip
+                        gemm_from: int = NO_TILES, lanes_until: int = 0,
+                        brgemm_tiles: bool = False) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op): the
     row kernels below ``gemm_from`` tokens, the GEMM from it (where it runs: ``gemm_runs``;
     the unstructured GEMM below ``lanes_until``, the 2:4 GEMM from it), the tiles from
-    ``tiled_from``."""
+    ``tiled_from`` (through oneDNN's micro-kernel where ``brgemm_tiles`` and it runs:
+    ``brgemm_kernel``)."""
     return _linear()(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from,
-                     lanes_until)  # fmt: skip
+                     lanes_until, brgemm_tiles)  # fmt: skip
 
 
 def bitmask_cpu_linear(x: torch.Tensor, values: torch.Tensor, bitmask: torch.Tensor,
                        row_offsets: torch.Tensor, bias: torch.Tensor | None, in_features: int,
-                       tiled_from: int = NO_TILES,
-                       gemm_from: int = NO_TILES) -> torch.Tensor:  # fmt: skip
+                       tiled_from: int = NO_TILES, gemm_from: int = NO_TILES,
+                       brgemm_tiles: bool = False) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the unstructured ``W`` stored as ``values`` / ``bitmask`` /
     ``row_offsets`` (``format.bitmask``): the row kernels below ``gemm_from`` tokens, the
-    unstructured GEMM from it (where it runs: ``gemm_runs``), the tiles from
-    ``tiled_from``."""
+    unstructured GEMM from it (where it runs: ``gemm_runs``), the tiles from ``tiled_from``
+    (as ``sparse24_cpu_linear``'s)."""
     return _ops().bitmask_linear(x, values, bitmask, row_offsets, bias, in_features, gemm_from,
-                                 tiled_from)  # fmt: skip
+                                 tiled_from, brgemm_tiles)  # fmt: skip
 
 
 def bitmask_decompress_cpu(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor,

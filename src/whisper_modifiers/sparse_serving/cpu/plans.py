@@ -7,10 +7,12 @@ On a random weight of the layer's shape and layout, at each ``TOKEN_LADDER`` cou
 op's paths are timed against each other and against the dense ``F.linear`` of the same
 weight: its row kernels, its GEMM (2:4 or unstructured; ``gemm_runs``: bfloat16 on
 ``avx512_bf16`` kernels; for a 2:4 layer, also the unstructured GEMM over its rows,
-"lanes") and its tiles (ATen's GEMM on expanded tiles). The plan runs each token count on
-the path that won there (``gemm_from``, ``lanes_until``, ``tiled_from``; the tiles,
-which stand for ATen's GEMM and so for AMX where the CPU has it, must win by
-``TILES_MARGIN``), and says whether the op beat dense at one token (``faster_at_decode``:
+"lanes") and its tiles (ATen's GEMM on expanded tiles; where oneDNN's micro-kernel runs on
+AMX tiles, ``brgemm_kernel`` "amx", also its blocks through it, "brgemm"). The plan runs each
+token count on the path that won there (``gemm_from``, ``lanes_until``, ``tiled_from``, and
+``brgemm_tiles`` where the micro-kernel's tiles beat ATen's; the tiles, which stand for
+oneDNN and so for AMX where the CPU has it, must win by ``TILES_MARGIN``), and says whether
+the op beat dense at one token (``faster_at_decode``:
 where it lost, the ``auto`` kernel mode serves the layer dense, decompressed). The paths
 of a point are timed in turn, round after round, and each takes its median: noise on a
 shared machine then moves every path alike.
@@ -36,6 +38,7 @@ from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_identity
 from whisper_modifiers.sparse_serving.cpu.op import (
     NO_TILES,
     bitmask_cpu_linear,
+    brgemm_kernel,
     cpu_isa,
     gemm_runs,
     sparse24_cpu_linear,
@@ -59,19 +62,28 @@ __all__ = [
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256)
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
-PATHS = ("rows", "gemm", "lanes", "tiles")
-# (tiled_from, gemm_from, lanes_until) of the op that takes each path at every token count
-PATH_THRESHOLDS = {"rows": (NO_TILES, NO_TILES, 0), "gemm": (NO_TILES, 0, 0),
-                   "lanes": (NO_TILES, 0, NO_TILES), "tiles": (0, NO_TILES, 0)}  # fmt: skip
+PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
+# (tiled_from, gemm_from, lanes_until, brgemm_tiles) of the op that takes each path at every
+# token count: sparse24_cpu_linear's order; bitmask_cpu_linear takes bitmask_thresholds'
+PATH_THRESHOLDS = {"rows": (NO_TILES, NO_TILES, 0, False), "gemm": (NO_TILES, 0, 0, False),
+                   "lanes": (NO_TILES, 0, NO_TILES, False), "tiles": (0, NO_TILES, 0, False),
+                   "brgemm": (0, NO_TILES, 0, True)}  # fmt: skip
+
+
+def bitmask_thresholds(thresholds: tuple) -> tuple:
+    """A ``PATH_THRESHOLDS`` entry in ``bitmask_cpu_linear``'s order (no lanes)."""
+    tiled_from, gemm_from, _, brgemm_tiles = thresholds
+    return tiled_from, gemm_from, brgemm_tiles
 
 
 @dataclass(frozen=True)
 class CpuPlan:
     """The op's path by token count: the row kernels below ``gemm_from``, the GEMM
     from it (a 2:4 layer's: the unstructured GEMM, "lanes", below ``lanes_until``), the
-    tiles from ``tiled_from`` (``NO_TILES``: never); ``faster_at_decode``: whether the op
+    tiles from ``tiled_from`` (``NO_TILES``: never; through oneDNN's micro-kernel where
+    ``brgemm_tiles``); ``faster_at_decode``: whether the op
     beat dense at one token; ``speedups``: dense time / op time at each measured token
     count, as ``(tokens, ratio)`` pairs (for the log)."""
 
@@ -80,11 +92,12 @@ class CpuPlan:
     gemm_from: int = NO_TILES
     speedups: tuple = ()
     lanes_until: int = 0
+    brgemm_tiles: bool = False
 
     def path(self, tokens: int) -> str:
         """The path the op takes for ``tokens`` tokens under this plan."""
         if tokens >= self.tiled_from:
-            return "tiles"
+            return "brgemm" if self.brgemm_tiles else "tiles"
         if tokens >= self.gemm_from:
             return "lanes" if tokens < self.lanes_until else "gemm"
         return "rows"
@@ -97,7 +110,7 @@ class CpuPlan:
             ("rows", 1, gemm_from),
             ("lanes", gemm_from, lanes_until),
             ("gemm", lanes_until, self.tiled_from),
-            ("tiles", self.tiled_from, None),
+            ("brgemm tiles" if self.brgemm_tiles else "tiles", self.tiled_from, None),
         )
         ranges = [f"{path} from {start}" for path, start, end in bounds
                   if start < NO_TILES and (end is None or start < end)]  # fmt: skip
@@ -141,13 +154,23 @@ def plan_density(density: float | None) -> float | None:
     return None if density is None else round(round(density / DENSITY_STEP) * DENSITY_STEP, 2)
 
 
+def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
+    """The paths worth timing here: the rows and the tiles; the GEMM where it runs (and for a
+    2:4 layer the lanes); the micro-kernel's tiles where they run on AMX tiles (on the Zen 5
+    EPYC's AVX512_BF16 micro-kernel they lost to the GEMM on every 7B shape timed, 0.5-0.8x
+    its speed from 16 to 512 tokens)."""
+    gemm = gemm_runs(dtype, dtype)
+    extra = {"gemm": gemm, "lanes": gemm and density is None,
+             "brgemm": gemm and brgemm_kernel() == "amx"}  # fmt: skip
+    return [path for path in PATHS if path in ("rows", "tiles") or extra[path]]
+
+
 def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
               density: float | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """A random weight of the layout (2:4 where ``density`` is None, else unstructured at
     ``density``) and, by path, ``run(x)`` of the op on it (the GEMMs where they run; "lanes",
     the unstructured GEMM over a 2:4 layer's rows, for 2:4 layers)."""
-    paths = [path for path in PATHS if path in ("rows", "tiles") or (
-        gemm_runs(dtype, dtype) and (path == "gemm" or density is None))]  # fmt: skip
+    paths = _measured_paths(dtype, density)
     if density is None:
         dense = random_two_four(out_features, in_features, dtype)
         compressed, bitmask = compress_24(dense)
@@ -156,7 +179,8 @@ def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
     dense = random_unstructured(out_features, in_features, dtype, density)
     values, bitmask, row_offsets = compress_bitmask(dense)
     return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: bitmask_cpu_linear(
-        x, values, bitmask, row_offsets, None, in_features, *t[:2]) for path in paths}  # fmt: skip
+        x, values, bitmask, row_offsets, None, in_features, *bitmask_thresholds(t))
+        for path in paths}  # fmt: skip
 
 
 def _seconds(fns: dict) -> dict:
@@ -212,9 +236,16 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
     ``TILES_MARGIN`` of the row kernels' and the GEMMs' time; below that, a 2:4 layer's
     unstructured GEMM ("lanes") until the lowest count from which the 2:4 GEMM was never
     slower than it; the GEMM so chosen from the lowest count below the tiles from which it
-    was never slower than the row kernels; the op, on its chosen path, against dense."""
-    tiled_from = _first_of_winning_run(timings, "tiles", ["rows", "gemm", "lanes"],
+    was never slower than the row kernels; the op, on its chosen path, against dense. The
+    tiles are the micro-kernel's ("brgemm", where timed) if they took less time in all than
+    ATen's over the tiles' counts, and each count weighs the faster of the two."""
+    faster_tiles = [t | {"tiles_s": min(t["tiles_s"], t["brgemm_s"])}
+                    if t.get("brgemm_s") is not None else t for t in timings]  # fmt: skip
+    tiled_from = _first_of_winning_run(faster_tiles, "tiles", ["rows", "gemm", "lanes"],
                                        TILES_MARGIN)  # fmt: skip
+    tiled = [t for t in timings if t["tokens"] >= tiled_from and t.get("brgemm_s") is not None]
+    brgemm_tiles = bool(tiled) and (sum(t["brgemm_s"] for t in tiled)
+                                    < sum(t["tiles_s"] for t in tiled))  # fmt: skip
     below = [timing for timing in timings if timing["tokens"] < tiled_from]
     lanes_until = 0
     if below and any(timing.get("lanes_s") is not None for timing in below):
@@ -222,10 +253,11 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
     chosen = [timing | {"gemm_s": timing["lanes_s"]} if timing["tokens"] < lanes_until
               else timing for timing in below]  # fmt: skip
     gemm_from = _first_of_winning_run(chosen, "gemm", ["rows"]) if below else NO_TILES
-    paths = CpuPlan(tiled_from, False, gemm_from, (), lanes_until)
+    paths = CpuPlan(tiled_from, False, gemm_from, (), lanes_until, brgemm_tiles)
     speedups = tuple((t["tokens"], t["dense_s"] / t[f"{paths.path(t['tokens'])}_s"])
                      for t in timings)  # fmt: skip
-    return CpuPlan(tiled_from, speedups[0][1] >= 1.0, gemm_from, speedups, lanes_until)
+    return CpuPlan(tiled_from, speedups[0][1] >= 1.0, gemm_from, speedups, lanes_until,
+                   brgemm_tiles)  # fmt: skip
 
 
 _lock = threading.Lock()
