@@ -157,7 +157,7 @@ def plan_density(density: float | None) -> float | None:
 def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
     """The paths worth timing here: the rows and the tiles; the GEMM where it runs (and for a
     2:4 layer the lanes); the micro-kernel's tiles where they run on AMX tiles (on the Zen 5
-    EPYC's AVX512_BF16 micro-kernel they lost to the GEMM on every 7B shape timed, 0.5-0.8x
+    EPYC's AVX512_BF16 micro-kernel they lost to the GEMM on every 7B shape timed, 0.6-0.8x
     its speed from 16 to 512 tokens)."""
     gemm = gemm_runs(dtype, dtype)
     extra = {"gemm": gemm, "lanes": gemm and density is None,
