@@ -149,8 +149,8 @@ CAPTURE = ["--layers", "8", "--modes", "sparse", "--capture-sizes", "2048",
            "--workloads", "prefill:32x2048", "decode:1x128", "decode:64x256"]  # fmt: skip
 
 
-# the host CPU's op table: 2:4 and 50 % on the 7B shapes (about 5 minutes on 2 Xeon cores;
-# 2:4 at 1, 16 and 512 tokens took 3 on an H200's host)
+# the host CPU's op table: 2:4 and 50 % on the 7B shapes, with the brgemm tiles' column (5.5
+# minutes on the Zen 5 EPYC's 2 cores; 2:4 at 1, 16 and 512 tokens took 3 on an H200's host)
 CPU_OP = ["--shapes", "7B", "--tokens", "1", "16", "64", "512", "--sparsity", "2:4", "0.5",
           "--repeats", "3"]  # fmt: skip
 
