@@ -157,8 +157,8 @@ def plan_density(density: float | None) -> float | None:
 def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
     """The paths worth timing here: the rows and the tiles; the GEMM where it runs (and for a
     2:4 layer the lanes); the micro-kernel's tiles where they run on AMX tiles (on the Zen 5
-    EPYC's AVX512_BF16 micro-kernel they lost to the GEMM on every 7B shape timed, 0.6-0.8x
-    its speed from 16 to 512 tokens)."""
+    EPYC's AVX512_BF16 micro-kernel they lost to the GEMM on every 7B shape timed, from 16
+    to 512 tokens: docs/serving.md, "On an AMX Xeon")."""
     gemm = gemm_runs(dtype, dtype)
     extra = {"gemm": gemm, "lanes": gemm and density is None,
              "brgemm": gemm and brgemm_kernel() == "amx"}  # fmt: skip

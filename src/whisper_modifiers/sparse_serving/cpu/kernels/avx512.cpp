@@ -136,6 +136,16 @@ WS_TARGET void rows_typed(const RowsArgs& a) {
   for (; n < a.n_end; ++n) rows_all_tokens<1, W, U>(a, x, n);
 }
 
+// How far ahead of its loads an expanding row asks for its values (bytes): an unstructured
+// row's loads advance by each mask's popcount, a stride the CPU's own prefetcher misses. On the
+// Zen 5 EPYC the brgemm tiles of 4096 x 11008 at 16 tokens took 3.4-3.5 ms with 2048 or 4096
+// bytes (3.6 with 1536, 3.7 with 1024), 6.8-6.9 ms without, at 50 %; 3.4 against 3.8-3.9 at 2:4.
+constexpr int64_t kPrefetchBytes = 2048;
+
+WS_TARGET inline void prefetch_values(const void* values) {
+  _mm_prefetch(static_cast<const char*>(values) + kPrefetchBytes, _MM_HINT_T0);
+}
+
 // A 2:4 row's whole groups of 32 (bfloat16) or 16 (float32) inputs: each holds exactly half
 // its inputs' values, so each group is one plain load of half a register, expanded, and one
 // plain store (on the Zen 5 EPYC the brgemm tiles of 4096 x 11008 at 16 tokens took 3.8 ms
@@ -148,6 +158,7 @@ WS_TARGET int64_t decompress_two_four(const void* compressed, const uint8_t* mas
     float* out = static_cast<float*>(out_row);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
+      prefetch_values(values + k / 2);
       const __m512 half = _mm512_castps256_ps512(_mm256_loadu_ps(values + k / 2));
       _mm512_storeu_ps(out + k, _mm512_maskz_expand_ps(__mmask16(mask_bits(mask, k, 16)), half));
     }
@@ -157,6 +168,7 @@ WS_TARGET int64_t decompress_two_four(const void* compressed, const uint8_t* mas
     uint16_t* out = static_cast<uint16_t*>(out_row);
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
+      prefetch_values(values + k / 2);
       const __m512i half = _mm512_castsi256_si512(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + k / 2)));
       _mm512_storeu_si512(out + k, _mm512_maskz_expand_epi16(mask_bits(mask, k, 32), half));
@@ -167,7 +179,7 @@ WS_TARGET int64_t decompress_two_four(const void* compressed, const uint8_t* mas
 
 // Dense rows, each walked by a cursor over its kept values that advances by the mask's
 // popcount: 2:4 rows (half of every group marked) and unstructured ones (row_offsets) alike;
-// a 2:4 row's whole groups first by decompress_two_four.
+// a 2:4 row's whole groups first by decompress_two_four; the values asked for ahead.
 template <WeightType W>
 WS_TARGET void decompress_typed(const DecompressArgs& a) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8;
@@ -187,6 +199,7 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
         const __mmask16 inputs = __mmask16(count == 16 ? 0xFFFF : (1u << count) - 1);
         const __mmask16 kept = __mmask16(mask_bits(mask, k, count));
         const int marked = __builtin_popcount(kept);
+        prefetch_values(values);
         const __m512 values_in = _mm512_maskz_loadu_ps(__mmask16((1u << marked) - 1), values);
         _mm512_mask_storeu_ps(out + k, inputs, _mm512_maskz_expand_ps(kept, values_in));
         values += marked;
@@ -199,6 +212,7 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
         const __mmask32 inputs = count == 32 ? 0xFFFFFFFFu : (1u << count) - 1;
         const __mmask32 kept = mask_bits(mask, k, count);
         const int marked = __builtin_popcount(kept);
+        prefetch_values(values);
         const __m512i values_in = _mm512_maskz_loadu_epi16(
             marked == 32 ? 0xFFFFFFFFu : (uint32_t(1) << marked) - 1, values);
         _mm512_mask_storeu_epi16(out + k, inputs, _mm512_maskz_expand_epi16(kept, values_in));
