@@ -192,10 +192,6 @@ inline __m512i _mm512_set1_epi32(int value) {
 
 inline void _mm512_storeu_si512(void* p, __m512i a) { std::memcpy(p, a.u8, 64); }
 
-// A prefetch only asks for a cache line: nothing to emulate.
-#define _MM_HINT_T0 3
-inline void _mm_prefetch(const char*, int) {}
-
 inline void _mm512_storeu_ps(void* p, __m512 a) { std::memcpy(p, a.f, 64); }
 
 inline void _mm256_mask_storeu_epi16(void* p, __mmask16 k, __m256i a) {

@@ -136,14 +136,15 @@ WS_TARGET void rows_typed(const RowsArgs& a) {
   for (; n < a.n_end; ++n) rows_all_tokens<1, W, U>(a, x, n);
 }
 
-// How far ahead of its loads an expanding row asks for its values (bytes): an unstructured
-// row's loads advance by each mask's popcount, a stride the CPU's own prefetcher misses. On the
-// Zen 5 EPYC the brgemm tiles of 4096 x 11008 at 16 tokens took 3.4-3.5 ms with 2048 or 4096
-// bytes (3.6 with 1536, 3.7 with 1024), 6.8-6.9 ms without, at 50 %; 3.4 against 3.8-3.9 at 2:4.
-constexpr int64_t kPrefetchBytes = 2048;
+// The expansion's software prefetch: one row at a time, so further ahead than the row kernels'
+// kPrefetchAhead (an unstructured row's loads advance by each mask's popcount, a stride the
+// CPU's own prefetcher misses). On the Zen 5 EPYC the brgemm tiles of 4096 x 11008 at 16
+// tokens took 3.4-3.5 ms with 2048 or 4096 bytes (3.6 with 1536, 3.7 with 1024), 6.8-6.9 ms
+// without, at 50 %; 3.4 against 3.8-3.9 at 2:4.
+constexpr int64_t kExpandPrefetchAhead = 2048;
 
 WS_TARGET inline void prefetch_values(const void* values) {
-  _mm_prefetch(static_cast<const char*>(values) + kPrefetchBytes, _MM_HINT_T0);
+  __builtin_prefetch(static_cast<const char*>(values) + kExpandPrefetchAhead, 0, 3);
 }
 
 // A 2:4 row's whole groups of 32 (bfloat16) or 16 (float32) inputs: each holds exactly half
