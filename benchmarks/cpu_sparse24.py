@@ -48,7 +48,6 @@ SHAPES = {  # (out, in) of each projection as vLLM runs it
            "down": (4096, 14336)},
 }  # fmt: skip
 TOKENS = [1, 4, 16, 64, 512]
-PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")  # the table's columns, plans.PATHS's order
 
 
 def cpu_line() -> str:
@@ -173,6 +172,8 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
 
 
 def markdown(payload: dict) -> str:
+    from whisper_modifiers.sparse_serving.cpu.plans import PATHS  # the op's paths: columns
+
     vllm = any(row.get("vllm_ratio") for rows in payload["shapes"].values() for row in rows)
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
              f"CPU: {payload['cpu']}", "",
@@ -185,8 +186,8 @@ def markdown(payload: dict) -> str:
              f"{payload['rows_up_to']} tokens; a path where it does not run)."
              + (" vLLM dense: vLLM's own CPU GEMM (`onednn_mm` on a weight oneDNN packed "
                 "once), as its dense layers run; the last ratio is against it." if vllm else ""),
-             "", "| model | projection | tokens | dense ms | op ms | op path | ratio | rows ms | "
-             "gemm ms | lanes ms | tiles ms | brgemm ms | dense GiB/s | op GiB/s |"
+             "", "| model | projection | tokens | dense ms | op ms | op path | ratio | "
+             + "".join(f"{path} ms | " for path in PATHS) + "dense GiB/s | op GiB/s |"
              + (" vLLM dense ms | ratio to vLLM dense |" if vllm else ""),
              "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
              + ("---:|---:|" if vllm else "")]  # fmt: skip

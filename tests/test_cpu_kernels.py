@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from whisper_modifiers.serving.probe import cpu_flag_set
 from whisper_modifiers.sparse_serving.cpu import build as cpu_build
 from whisper_modifiers.sparse_serving.cpu.build import SOURCE_DIR
+from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_flag_set
 from whisper_modifiers.sparse_serving.cpu.op import (
     CPU_ISAS,
     NO_TILES,

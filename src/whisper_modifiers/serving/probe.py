@@ -26,7 +26,7 @@ from whisper_modifiers.serving.worker_process import (
     serving_env,
     serving_python,
 )
-from whisper_modifiers.sparse_serving.cpu.cpu_info import (  # noqa: F401  (also for callers)
+from whisper_modifiers.sparse_serving.cpu.cpu_info import (
     CPU_FLAGS,
     cpu_flag_set,
     cpu_flags,

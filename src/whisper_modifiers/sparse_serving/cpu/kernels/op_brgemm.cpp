@@ -129,7 +129,6 @@ at::Tensor brgemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
   const float* bias_values = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({tokens, rows}, x2.options());
   auto* out = static_cast<c10::BFloat16*>(y.data_ptr());
-  const c10::BFloat16* b_operand = packed_x;
   const int64_t block_rows = rows_per_block(K);
   at::parallel_for(0, (rows + block_rows - 1) / block_rows, 1, [&](int64_t first, int64_t last) {
     auto a_operand = aligned_buffer<c10::BFloat16>(block_rows * K);
@@ -143,7 +142,7 @@ at::Tensor brgemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
         for (int64_t k0 = 0; k0 < K; k0 += kInputsPerProduct) {
           cpublas::brgemm(count, width[b], std::min(kInputsPerProduct, K - k0), K, width[b],
                           kTokensPerBlock, k0 > 0, a_operand.get() + k0,
-                          b_operand + b * K * kTokensPerBlock + k0 * width[b], sums.get(), true);
+                          packed_x + b * K * kTokensPerBlock + k0 * width[b], sums.get(), true);
         }
         const int64_t first_token = b * kTokensPerBlock;
         const int64_t in_block = std::min(kTokensPerBlock, tokens - first_token);
