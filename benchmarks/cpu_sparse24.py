@@ -26,12 +26,16 @@ measured too (random weights keeping ``1 - sparsity`` of their values anywhere, 
 bitmask layout) and ``cpu_sparse-ISA.*`` holds a summary by sparsity, each sparsity's table,
 and a plot of speed against sparsity next to the bytes bound. ``--replot JSON`` writes
 the table and the plot again from a JSON (the serving environment has no matplotlib).
+``--isa avx2`` (or ``avx512``) caps the op's kernels below this CPU's and dense alike, as torch
+and oneDNN run on such a CPU (``DENSE_CAPS``): a lower kind of CPU, emulated on this one's
+memory, in files named ``...-ISA-capped-on-OWN``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, check_serving_sparsities, write_json  # noqa: E402
+from cpu_op_tables import write_results  # noqa: E402
 
 SHAPES = {  # (out, in) of each projection as vLLM runs it
     "7B": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
@@ -48,9 +53,20 @@ SHAPES = {  # (out, in) of each projection as vLLM runs it
            "down": (4096, 14336)},
 }  # fmt: skip
 TOKENS = [1, 4, 16, 64, 512]
+ISAS = ("auto", "avx2", "avx512", "avx512_bf16")  # --isa: "auto" and op.CPU_ISAS
+# --isa below this CPU's kernels caps dense alike, as torch and oneDNN run on such a CPU: each
+# reads its cap once, when first used, so the process starts with these set (``main`` runs
+# itself again where they are not). Without AVX512_BF16, torch's bfloat16 F.linear is ATen's
+# own GEMM on AVX2 and oneDNN's emulation on AVX-512.
+DENSE_CAPS = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ATEN_CPU_CAPABILITY": "avx512"},
+}
 
 
-def cpu_line() -> str:
+def cpu_line(capped_from: str | None = None) -> str:
+    """This CPU, its threads and the op's kernels; where ``--isa`` capped them below this
+    CPU's own (``capped_from``), how dense was capped alike."""
     import torch
 
     from whisper_modifiers.sparse_serving.cpu.cpu_info import CPU_FLAGS, cpu_flag_set, cpu_model
@@ -58,8 +74,29 @@ def cpu_line() -> str:
 
     flags = cpu_flag_set()
     shown = " ".join(flag for flag in (*CPU_FLAGS, "avx512_vbmi2") if flag in flags)
-    return (f"{cpu_model()} ({shown}; {torch.get_num_threads()} threads; op kernels "
-            f"{cpu_isa()})")  # fmt: skip
+    line = f"{cpu_model()} ({shown}; {torch.get_num_threads()} threads; op kernels {cpu_isa()}"
+    if capped_from is None:
+        return line + ")"
+    caps = " ".join(f"{name}={value}" for name, value in DENSE_CAPS[cpu_isa()].items())
+    return (f"{line}, capped from {capped_from}; dense capped alike: {caps}, torch's CPU "
+            f"capability {torch.backends.cpu.get_cpu_capability()}: an {cpu_isa()} CPU "
+            "emulated, on this CPU's memory)")  # fmt: skip
+
+
+def missing_dense_caps(isa: str) -> dict[str, str]:
+    """The environment ``--isa isa`` needs that this process did not start with."""
+    return {name: value for name, value in DENSE_CAPS.get(isa, {}).items()
+            if os.environ.get(name) != value}  # fmt: skip
+
+
+def run_again_with_dense_caps(argv: list[str]) -> None:
+    """From the command line, ``--isa`` below this CPU's: this script again, from the start,
+    with dense's caps set (``DENSE_CAPS``); nothing where they are set or not needed."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--isa", default="auto")
+    missing = missing_dense_caps(pre.parse_known_args(argv)[0].isa)
+    if missing:
+        os.execve(sys.executable, [sys.executable, __file__, *argv], os.environ | missing)
 
 
 def alternating_medians(sides: dict[str, list], repeats: int) -> dict[str, float]:
@@ -133,7 +170,11 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     dense, op_bytes, runs = op_layers(rows, columns, dtype, sparsity, copies)
     plan = cpu_plan(rows, columns, dtype, None if sparsity == "2:4" else 1 - float(sparsity))
     linear_for = vllm_dense_linear()
-    vllm_dense = [linear_for(weight) for weight in dense] if linear_for else []
+    try:
+        vllm_dense = [linear_for(weight) for weight in dense] if linear_for else []
+    except RuntimeError as error:  # oneDNN capped below its bfloat16 GEMM (--isa avx2)
+        print(f"  vLLM's dense GEMM does not run here: {str(error).splitlines()[0]}")
+        vllm_dense = []
     paths = {"op": (plan.tiled_from, plan.gemm_from, plan.lanes_until, plan.brgemm_tiles)}
     paths |= PATH_THRESHOLDS
     gemm = gemm_runs(dtype, dtype)
@@ -171,171 +212,6 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     return results
 
 
-def markdown(payload: dict) -> str:
-    from whisper_modifiers.sparse_serving.cpu.plans import PATHS  # the op's paths: columns
-
-    vllm = any(row.get("vllm_ratio") for rows in payload["shapes"].values() for row in rows)
-    lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",
-             f"CPU: {payload['cpu']}", "",
-             "Ratio: dense time / op time (above 1: the op is faster); the op as served "
-             "(its measured plan picks row kernels, GEMM or tiles; lanes: a 2:4 layer "
-             "in the unstructured GEMM, the tokens in the lanes; brgemm: the tiles through "
-             "oneDNN's micro-kernel, AMX tiles where the CPU has them). Each time is the "
-             "median of rounds that run every side in turn. GiB/s: weight bytes read per "
-             "second (compressed for the op); -: not measured (rows above "
-             f"{payload['rows_up_to']} tokens; a path where it does not run)."
-             + (" vLLM dense: vLLM's own CPU GEMM (`onednn_mm` on a weight oneDNN packed "
-                "once), as its dense layers run; the last ratio is against it." if vllm else ""),
-             "", "| model | projection | tokens | dense ms | op ms | op path | ratio | "
-             + "".join(f"{path} ms | " for path in PATHS) + "dense GiB/s | op GiB/s |"
-             + (" vLLM dense ms | ratio to vLLM dense |" if vllm else ""),
-             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-             + ("---:|---:|" if vllm else "")]  # fmt: skip
-    for key, rows in payload["shapes"].items():
-        model, projection = key.split("/")
-        for row in rows:
-            s = row["seconds"]
-            path_ms = " | ".join(f"{s[path] * 1e3:.3f}" if path in s else "-"
-                                 for path in PATHS)  # fmt: skip
-            against_vllm = (f" {s['vllm_dense'] * 1e3:.3f} | **{row['vllm_ratio']:.2f}×** |"
-                            if vllm else "")  # fmt: skip
-            lines.append(
-                f"| {model} | {projection} | {row['tokens']} | {s['dense'] * 1e3:.3f} | "
-                f"{s['op'] * 1e3:.3f} | {row['op_path']} | **{row['ratio']:.2f}×** | "
-                f"{path_ms} | {row['dense_gib_per_s']:.1f} | {row['op_gib_per_s']:.1f} |"
-                + against_vllm
-            )
-    return "\n".join(lines) + "\n"
-
-
-def plot(payload: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"no matplotlib here: {path.name} not drawn (--replot its JSON where it is)")
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.2))
-    for key, rows in payload["shapes"].items():
-        tokens = [r["tokens"] for r in rows]
-        (line,) = axis.plot(tokens, [r["ratio"] for r in rows], marker="o", label=key)
-        if all(r.get("vllm_ratio") for r in rows):  # against vLLM's own dense GEMM: dashed
-            axis.plot(tokens, [r["vllm_ratio"] for r in rows], linestyle="--", marker=".",
-                      color=line.get_color())  # fmt: skip
-    axis.axhline(1.0, color="grey", linewidth=0.8)
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("tokens per call (M)")
-    axis.set_ylabel("dense time / 2:4 op time\n(solid: F.linear; dashed: vLLM's oneDNN)")
-    axis.set_title(f"2:4 CPU op, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
-    axis.legend(fontsize=7, ncol=2)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
-def baseline_ratio(row: dict) -> float:
-    """The op's ratio against vLLM's dense GEMM where it was timed, else ``F.linear``."""
-    return row.get("vllm_ratio") or row["ratio"]
-
-
-def by_sparsity(payload: dict) -> dict[str, dict[int, list[float]]]:
-    """Per sparsity, per token count, every shape's ``baseline_ratio``."""
-    table = {}
-    for sparsity, entry in payload["sparsities"].items():
-        for rows in entry["shapes"].values():
-            for row in rows:
-                table.setdefault(sparsity, {}).setdefault(row["tokens"], []).append(
-                    baseline_ratio(row)
-                )
-    return table
-
-
-def baseline_name(payload: dict) -> str:
-    """What ``baseline_ratio`` compares with in every row of ``payload``."""
-    vllm = all(row.get("vllm_ratio") for entry in payload["sparsities"].values()
-               for rows in entry["shapes"].values() for row in rows)  # fmt: skip
-    return "vLLM's dense GEMM" if vllm else "dense F.linear"
-
-
-def bytes_ratio(payload: dict, sparsity: str) -> float:
-    """The compressed layout's weight bytes over dense at ``sparsity`` (its first shape's)."""
-    return next(iter(payload["sparsities"][sparsity]["shapes"].values()))[0]["op_bytes_ratio"]
-
-
-def sparsity_markdown(payload: dict) -> str:
-    """The speed-against-sparsity summary (median and range over the shapes), then each
-    sparsity's own table."""
-    table = by_sparsity(payload)
-    tokens = sorted({t for cells in table.values() for t in cells})
-    against = baseline_name(payload)
-    lines = [f"# The CPU op against dense by sparsity ({payload['dtype']})", "",
-             f"CPU: {payload['cpu']}", "",
-             f"Each cell: dense time / op time against {against}, the median over the shapes "
-             "(min–max); the op as served (its measured plan). Weight bytes: the compressed "
-             "layout's over dense; bytes bound: their inverse, the most a memory-bound call "
-             "can gain.", "",
-             "| sparsity | weight bytes | bytes bound | "
-             + " | ".join(f"{t} tokens" for t in tokens) + " |",
-             "|---|---:|---:|" + "---:|" * len(tokens)]  # fmt: skip
-    for sparsity, cells in table.items():
-        weight_bytes = bytes_ratio(payload, sparsity)
-        ratios = [f"{statistics.median(cells[t]):.2f}× ({min(cells[t]):.2f}–{max(cells[t]):.2f})"
-                  if t in cells else "-" for t in tokens]  # fmt: skip
-        lines.append(f"| {sparsity} | {weight_bytes:.3f}× | {1 / weight_bytes:.2f}× | "
-                     f"{' | '.join(ratios)} |")  # fmt: skip
-    text = "\n".join(lines) + "\n"
-    for sparsity, entry in payload["sparsities"].items():
-        sub = payload | {"shapes": entry["shapes"]}
-        text += "\n## " + sparsity + "\n\n" + markdown(sub).split("\n", 4)[4]
-    return text
-
-
-def plot_sparsity(payload: dict, path: Path) -> None:
-    """Speed against sparsity, one line per token count (the unstructured layouts; 2:4 as
-    stars at 50 %), next to the bytes bound."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"no matplotlib here: {path.name} not drawn (--replot its JSON where it is)")
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = by_sparsity(payload)
-    unstructured = sorted((float(s), s) for s in table if s != "2:4")
-    figure, axis = plt.subplots(figsize=(7, 4.2))
-    bound = [1 / bytes_ratio(payload, key) for _, key in unstructured]
-    axis.plot([s for s, _ in unstructured], bound, color="black", linestyle="--",
-              label="bytes bound")  # fmt: skip
-    for tokens in sorted({t for cells in table.values() for t in cells}):
-        points = [(s, statistics.median(table[key][tokens])) for s, key in unstructured
-                  if tokens in table[key]]  # fmt: skip
-        (line,) = axis.plot([s for s, _ in points], [r for _, r in points], marker="o",
-                            label=f"{tokens} tokens")  # fmt: skip
-        if tokens in table.get("2:4", {}):
-            axis.plot([0.5], [statistics.median(table["2:4"][tokens])], marker="*",
-                      markersize=11, color=line.get_color(), linestyle="none")  # fmt: skip
-    axis.axhline(1.0, color="grey", linewidth=0.8)
-    axis.set_xlabel("unstructured sparsity (stars: 2:4)")
-    axis.set_ylabel(f"{baseline_name(payload)} time / op time\n(median over shapes)")
-    axis.set_title(f"CPU op against dense, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
-    axis.legend(fontsize=7, ncol=2)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
-def write_results(stem: Path, payload: dict) -> str:
-    """The table and plot of ``payload`` next to its JSON at ``stem``."""
-    multi = "sparsities" in payload
-    text = sparsity_markdown(payload) if multi else markdown(payload)
-    stem.with_suffix(".md").write_text(text)
-    (plot_sparsity if multi else plot)(payload, stem.with_suffix(".png"))
-    return text
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -361,6 +237,13 @@ def main(argv=None) -> int:
         default=256,
         help="MiB of distinct dense weights cycled per shape (default 256)",
     )
+    parser.add_argument(
+        "--isa",
+        default="auto",
+        choices=ISAS,
+        help="cap the op's kernels at this instruction set, and dense alike (DENSE_CAPS): "
+        "a lower kind of CPU, emulated on this one (files named ...-ISA-capped-on-OWN)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_sparse24")
     parser.add_argument(
         "--replot",
@@ -373,22 +256,40 @@ def main(argv=None) -> int:
     if min(args.tokens) < 1 or args.repeats < 1 or args.working_set < 1:
         parser.error("--tokens, --repeats and --working-set must be at least 1")
     check_serving_sparsities(parser, args.sparsity)
+    missing = missing_dense_caps(args.isa)
+    if missing and args.replot is None:
+        parser.error(f"--isa {args.isa} caps dense alike: start Python with "
+                     + " ".join(f"{name}={value}" for name, value in missing.items())
+                     + " (the command line does it)")  # fmt: skip
     if args.replot is not None:
         write_results(args.replot.with_suffix(""), json.loads(args.replot.read_text()))
         return 0
     import torch
 
-    from whisper_modifiers.sparse_serving.cpu.op import cpu_isa, cpu_kernels_unavailable
+    from whisper_modifiers.sparse_serving.cpu.op import (
+        cpu_isa,
+        cpu_kernels_unavailable,
+        set_cpu_isa,
+        supported_isas,
+    )
 
     reason = cpu_kernels_unavailable()
     if reason:
         print(f"the CPU op does not run here: {reason}")
         return 0
+    own = cpu_isa()
+    if args.isa != "auto" and args.isa not in supported_isas():
+        parser.error(f"--isa: this CPU runs {', '.join(supported_isas())}, not {args.isa}")
+    capped_from = own if args.isa not in ("auto", own) else None
+    if capped_from:
+        set_cpu_isa(args.isa)
     dtype = getattr(torch, args.dtype)
     multi = args.sparsity != ["2:4"]
-    stem = args.out / f"{'cpu_sparse' if multi else 'cpu_sparse24'}-{cpu_isa()}"
-    payload = {"cpu": cpu_line(), "dtype": args.dtype, "torch": torch.__version__,
-               "rows_up_to": args.rows_up_to, "repeats": args.repeats}  # fmt: skip
+    stem = args.out / (f"{'cpu_sparse' if multi else 'cpu_sparse24'}-{cpu_isa()}"
+                       + (f"-capped-on-{capped_from}" if capped_from else ""))  # fmt: skip
+    payload = {"cpu": cpu_line(capped_from), "dtype": args.dtype, "torch": torch.__version__,
+               "rows_up_to": args.rows_up_to, "repeats": args.repeats,
+               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
     if multi:
         payload["sparsities"] = {s: {"shapes": {}} for s in args.sparsity}
     for sparsity in args.sparsity:
@@ -405,4 +306,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    run_again_with_dense_caps(sys.argv[1:])
     sys.exit(main())

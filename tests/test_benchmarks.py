@@ -265,6 +265,66 @@ def test_the_cpu_op_benchmark_runs_without_the_serving_driver():
     assert "threads; op kernels" in done.stdout
 
 
+def test_cpu_op_benchmark_caps_the_op_and_dense_alike(tmp_path):
+    """``--isa avx2``: the op's AVX2 kernels against dense as torch runs it on a CPU without
+    AVX-512 (ATen's AVX2 GEMM, oneDNN capped), both caps set when the process starts, and
+    the table says so; on an AVX2 CPU, its own kernels, named as usual."""
+    import os
+    import subprocess
+
+    import cpu_sparse24
+
+    from whisper_modifiers.sparse_serving.cpu.op import cpu_isa, cpu_kernels_unavailable
+
+    if cpu_kernels_unavailable():
+        pytest.skip(cpu_kernels_unavailable())
+    argv = ["--isa", "avx2", "--tokens", "1", "4", "--repeats", "1", "--working-set", "1",
+            "--out", str(tmp_path)]  # fmt: skip
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import cpu_sparse24; "
+            "cpu_sparse24.SHAPES = {'7B': {'o': (64, 256)}}; "
+            f"sys.exit(cpu_sparse24.main({argv!r}))")  # fmt: skip
+    env = os.environ | cpu_sparse24.DENSE_CAPS["avx2"]
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    own = cpu_isa()
+    stem = "cpu_sparse24-avx2" + ("" if own == "avx2" else f"-capped-on-{own}")
+    payload = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert payload["torch_cpu_capability"] == "AVX2"
+    assert "op kernels avx2" in payload["cpu"]
+    assert ("ONEDNN_MAX_CPU_ISA=AVX2" in payload["cpu"]) is (own != "avx2")
+    rows = payload["shapes"]["7B/o"]
+    assert [row["tokens"] for row in rows] == [1, 4]
+    assert all("gemm" not in row["seconds"] for row in rows)  # no GEMM below avx512_bf16
+
+
+def test_cpu_op_benchmark_refuses_a_cap_the_process_did_not_start_with(capsys, monkeypatch):
+    """In a process started without dense's caps, ``--isa avx2`` stops before any work and
+    names them; from the command line the script starts itself again with them."""
+    import cpu_sparse24
+
+    from whisper_modifiers.sparse_serving.cpu.op import CPU_ISAS
+
+    assert cpu_sparse24.ISAS == ("auto", *CPU_ISAS)  # the benchmark's choices, the op's kernels
+    for name in cpu_sparse24.DENSE_CAPS["avx2"]:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        cpu_sparse24.main(["--isa", "avx2"])
+    assert (
+        "--isa avx2 caps dense alike: start Python with ONEDNN_MAX_CPU_ISA=AVX2 "
+        "ATEN_CPU_CAPABILITY=avx2" in capsys.readouterr().err
+    )
+    started = []
+    monkeypatch.setattr(cpu_sparse24.os, "execve", lambda *call: started.append(call))
+    cpu_sparse24.run_again_with_dense_caps(["--isa", "avx2", "--tokens", "1"])
+    ((executable, argv, env),) = started
+    assert argv == [executable, cpu_sparse24.__file__, "--isa", "avx2", "--tokens", "1"]
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    started.clear()
+    cpu_sparse24.run_again_with_dense_caps(["--tokens", "1"])  # no cap asked: no new start
+    assert not started
+
+
 def test_workloads_count_the_tokens_they_time():
     from vllm_engine import Workload
 
