@@ -308,14 +308,16 @@ def test_a_machine_that_cannot_build_says_why_in_one_line(tmp_path):
     assert not list((tmp_path / "cache").glob("cpu_kernels/*/*.so"))
 
 
-def test_avx512_kernels_are_right_on_any_cpu(tmp_path):
+def test_avx512_and_avx2_kernels_are_right_on_any_cpu(tmp_path):
     """The AVX-512 sources compiled with tests/native/avx512_emulation.h (the intrinsics in
-    plain C++, lane by lane) against a scalar reference on integer values: the AVX-512
-    kernels' lanes, masks and tails are checked on CPUs without AVX-512 too; under
-    AddressSanitizer, so a load past the values, masks or activations a kernel is given fails
-    (the unstructured kernels load 32 values at a time wherever the layer has them)."""
+    plain C++, lane by lane), and the AVX2 ones as they are (every CPU the op serves has
+    AVX2), against a scalar reference on integer values: the AVX-512 kernels' lanes, masks
+    and tails are checked on CPUs without AVX-512 too; under AddressSanitizer, so a load past
+    the values, masks or activations a kernel is given fails (the unstructured kernels load
+    up to 32 values at a time wherever the layer has them)."""
     native = Path(__file__).with_name("native")
-    sources = [native / "check_kernels.cpp", SOURCE_DIR / "avx512.cpp",
+    sources = [native / "check_kernels.cpp", SOURCE_DIR / "avx2.cpp",
+               SOURCE_DIR / "avx2_bitmask.cpp", SOURCE_DIR / "avx512.cpp",
                SOURCE_DIR / "avx512_bf16.cpp",
                SOURCE_DIR / "avx512_bf16_gemm.cpp",
                SOURCE_DIR / "avx512_bf16_bitmask_gemm.cpp"]  # fmt: skip

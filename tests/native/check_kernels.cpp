@@ -1,7 +1,9 @@
-// The AVX-512 kernels of the 2:4 CPU op, built with avx512_emulation.h, against a scalar
-// reference on integer values (every product and float32 sum exact, so equality is the test):
-// every shape of tails and row groups, 1 to 9 tokens, float32 and bfloat16 weights; and the
-// 2:4 GEMM at token counts around its tiles, with a bias; and unstructured layers (row offsets).
+// The AVX-512 kernels of the 2:4 CPU op, built with avx512_emulation.h, and the AVX2 ones (every
+// x86 CPU the op serves has AVX2), against a scalar reference on integer values (every product
+// and float32 sum exact, so equality is the test): every shape of tails and row groups, 1 to 9
+// tokens, float32 and bfloat16 weights; and the 2:4 GEMM at token counts around its tiles,
+// with a bias; and unstructured layers (row offsets), their values held in vectors of exactly
+// their size, so that AddressSanitizer sees a load past the layer's last value.
 // Prints one line per failure and exits 1 on any; test_cpu_kernels.py builds and runs it.
 #include <algorithm>
 #include <cstdint>
@@ -72,29 +74,36 @@ void expect(bool ok, const char* what, int64_t rows, int64_t columns, int64_t to
   }
 }
 
+// Element i of a decompressed weight of `type` written to `out`, as float32.
+float dense_value(const uint8_t* out, WeightType type, int64_t i) {
+  float value;
+  if (type == WeightType::f32) {
+    std::memcpy(&value, out + 4 * i, 4);
+  } else {
+    uint16_t bits;
+    std::memcpy(&bits, out + 2 * i, 2);
+    const uint32_t wide = uint32_t(bits) << 16;
+    std::memcpy(&value, &wide, 4);
+  }
+  return value;
+}
+
 void check_layer(const Layer& layer, std::mt19937& draw) {
   const int64_t rows = layer.rows, columns = layer.columns;
   for (WeightType type : {WeightType::f32, WeightType::bf16}) {
     const void* kept = type == WeightType::f32 ? static_cast<const void*>(layer.kept.data())
                                                : static_cast<const void*>(layer.kept_bf16.data());
-    std::vector<uint8_t> out(rows * columns * (type == WeightType::f32 ? 4 : 2) + 64, 0xAB);
-    decompress_avx512({kept, type, layer.bitmask.data(), out.data(), columns, 0, rows});
-    bool same = true;
-    for (int64_t i = 0; i < rows * columns; ++i) {
-      float value;
-      if (type == WeightType::f32) {
-        std::memcpy(&value, out.data() + 4 * i, 4);
-      } else {
-        uint16_t bits;
-        std::memcpy(&bits, out.data() + 2 * i, 2);
-        uint32_t wide = uint32_t(bits) << 16;
-        std::memcpy(&value, &wide, 4);
-      }
-      same &= value == layer.dense[i];
+    for (auto decompress : {decompress_avx512, decompress_avx2}) {
+      std::vector<uint8_t> out(rows * columns * (type == WeightType::f32 ? 4 : 2) + 64, 0xAB);
+      decompress({kept, type, layer.bitmask.data(), out.data(), columns, 0, rows});
+      bool same = true;
+      for (int64_t i = 0; i < rows * columns; ++i)
+        same &= dense_value(out.data(), type, i) == layer.dense[i];
+      const size_t used = rows * columns * (type == WeightType::f32 ? 4 : 2);
+      for (size_t i = used; i < out.size(); ++i) same &= out[i] == 0xAB;  // nothing past the rows
+      const char* what = type == WeightType::f32 ? "decompress f32" : "decompress bf16";
+      expect(same, what, rows, columns, 0);
     }
-    const size_t used = rows * columns * (type == WeightType::f32 ? 4 : 2);
-    for (size_t i = used; i < out.size(); ++i) same &= out[i] == 0xAB;  // nothing past the rows
-    expect(same, type == WeightType::f32 ? "decompress f32" : "decompress bf16", rows, columns, 0);
   }
   std::uniform_int_distribution<int> value(-3, 3);
   for (int64_t tokens = 1; tokens <= 9; ++tokens) {
@@ -112,10 +121,15 @@ void check_layer(const Layer& layer, std::mt19937& draw) {
     // every row range a thread may get: whole rows, and a range starting inside a group of four
     for (int64_t begin : {int64_t(0), rows / 3}) {
       std::vector<float> y32(tokens * rows, -1.0f), y16(tokens * rows, -1.0f);
+      std::vector<float> avx2_32(tokens * rows, -1.0f), avx2_16(tokens * rows, -1.0f);
       rows_avx512({x.data(), columns, layer.kept.data(), WeightType::f32, layer.bitmask.data(),
                    y32.data(), rows, tokens, columns, begin, rows});
       rows_avx512({x.data(), columns, layer.kept_bf16.data(), WeightType::bf16,
                    layer.bitmask.data(), y16.data(), rows, tokens, columns, begin, rows});
+      rows_avx2({x.data(), columns, layer.kept.data(), WeightType::f32, layer.bitmask.data(),
+                 avx2_32.data(), rows, tokens, columns, begin, rows});
+      rows_avx2({x.data(), columns, layer.kept_bf16.data(), WeightType::bf16,
+                 layer.bitmask.data(), avx2_16.data(), rows, tokens, columns, begin, rows});
       std::vector<float> ydot(tokens * rows, -1.0f);
       rows_avx512_bf16({x_bf16.data(), columns, layer.kept_bf16.data(), WeightType::bf16,
                         layer.bitmask.data(), ydot.data(), rows, tokens, columns, begin, rows});
@@ -128,12 +142,13 @@ void check_layer(const Layer& layer, std::mt19937& draw) {
       rounded.bias = bias.data();
       rounded.y_bf16 = yout.data();
       rows_avx512_bf16(rounded);
-      bool f32 = true, bf16 = true, dot = true, out = true;
+      bool f32 = true, bf16 = true, dot = true, out = true, avx2 = true;
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t n = 0; n < rows; ++n) {
           const float want = n < begin ? -1.0f : expected[t * rows + n];
           f32 &= y32[t * rows + n] == want;
           bf16 &= y16[t * rows + n] == want;
+          avx2 &= avx2_32[t * rows + n] == want && avx2_16[t * rows + n] == want;
           dot &= ydot[t * rows + n] == want;
           out &= yout[t * rows + n] == (n < begin ? 0xFFFF : round_bf16(want + bias[n]));
         }
@@ -141,6 +156,7 @@ void check_layer(const Layer& layer, std::mt19937& draw) {
       expect(bf16, "rows_avx512 bf16", rows, columns, tokens);
       expect(dot, "rows_avx512_bf16", rows, columns, tokens);
       expect(out, "rows_avx512_bf16 with bias, bfloat16 out", rows, columns, tokens);
+      expect(avx2, "rows_avx2 f32 and bf16", rows, columns, tokens);
     }
   }
 }
@@ -282,28 +298,23 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
       kept_bf16.push_back(to_bf16(dense[n * columns + k]));
     }
   }
+  kept.shrink_to_fit();  // no room past the last value: ASan sees a load there
+  kept_bf16.shrink_to_fit();
   const int64_t count = int64_t(kept.size());
   for (WeightType type : {WeightType::f32, WeightType::bf16}) {
-    const void* values = type == WeightType::f32 ? static_cast<const void*>(kept.data())
-                                                 : static_cast<const void*>(kept_bf16.data());
-    std::vector<uint8_t> out(rows * columns * 4 + 64, 0xAB);
-    DecompressArgs dense_args{values, type, bitmask.data(), out.data(), columns, 0, rows};
-    dense_args.row_offsets = offsets.data();
-    decompress_avx512(dense_args);
-    bool same = true;
-    for (int64_t i = 0; i < rows * columns; ++i) {
-      float got;
-      if (type == WeightType::f32) {
-        std::memcpy(&got, out.data() + 4 * i, 4);
-      } else {
-        uint16_t bits;
-        std::memcpy(&bits, out.data() + 2 * i, 2);
-        uint32_t wide = uint32_t(bits) << 16;
-        std::memcpy(&got, &wide, 4);
-      }
-      same &= got == dense[i];
+    for (auto decompress : {decompress_avx512, decompress_bitmask_avx2}) {
+      const void* values = type == WeightType::f32 ? static_cast<const void*>(kept.data())
+                                                   : static_cast<const void*>(kept_bf16.data());
+      std::vector<uint8_t> out(rows * columns * 4 + 64, 0xAB);
+      DecompressArgs dense_args{values, type, bitmask.data(), out.data(), columns, 0, rows};
+      dense_args.row_offsets = offsets.data();
+      dense_args.values_count = count;
+      decompress(dense_args);
+      bool same = true;
+      for (int64_t i = 0; i < rows * columns; ++i)
+        same &= dense_value(out.data(), type, i) == dense[i];
+      expect(same, "decompress unstructured", rows, columns, 0);
     }
-    expect(same, "decompress_avx512 unstructured", rows, columns, 0);
   }
   for (int64_t tokens : gemm_tokens) {
     const std::vector<float> x = random_x(tokens, columns, draw);
@@ -335,6 +346,14 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     rows_avx512(f32);
     rows_avx512(bf16);
     rows_avx512_bf16(dot);
+    std::vector<float> avx2_32(tokens * rows), avx2_16(tokens * rows);
+    RowsArgs avx2_f32 = f32, avx2_bf16 = bf16;
+    avx2_f32.y = avx2_32.data();
+    avx2_bf16.y = avx2_16.data();
+    rows_bitmask_avx2(avx2_f32);
+    rows_bitmask_avx2(avx2_bf16);
+    expect(avx2_32 == expected, "rows_bitmask_avx2 f32", rows, columns, tokens);
+    expect(avx2_16 == expected, "rows_bitmask_avx2 bf16", rows, columns, tokens);
     expect(y32 == expected, "rows_avx512 f32 unstructured", rows, columns, tokens);
     expect(y16 == expected, "rows_avx512 bf16 unstructured", rows, columns, tokens);
     expect(ydot == expected, "rows_avx512_bf16 unstructured", rows, columns, tokens);

@@ -2,7 +2,10 @@
 // covers eight inputs (two groups of four, four kept values), and a 256-entry table gives, per
 // byte, a vpshufb control that moves the kept values' bytes into the eight float32 lanes of
 // those inputs (a bfloat16 value into the high half of its lane: the float32 it is), zeroing
-// the pruned ones; the kept values are broadcast to both halves of the register first.
+// the pruned ones; the kept values are broadcast to both halves of the register first. Up to
+// four tokens the rows step 32 inputs at a time: one load of a row's four bitmask bytes, and
+// one of the kept values of each sixteen inputs (bfloat16: eight, the second four placed by a
+// second table; float32: of each eight); more tokens, eight inputs a step, x shared by rows.
 #include <immintrin.h>
 
 #include <cstring>
@@ -19,6 +22,8 @@ struct ExpandTable {
   // eight inputs as eight float32 lanes; 0x80 writes a zero byte
   alignas(64) uint8_t f32[256][32];
   alignas(64) uint8_t bf16[256][32];
+  // bf16_high[b]: bf16[b] reading kept bytes 8..15, the second eight inputs of sixteen
+  alignas(64) uint8_t bf16_high[256][32];
   // shuffle[b]: the kept bfloat16 bytes of byte b's inputs as eight bfloat16 lanes
   alignas(64) uint8_t shuffle[256][16];
 
@@ -38,6 +43,8 @@ struct ExpandTable {
         }
         ++next;
       }
+      for (int byte = 0; byte < 32; ++byte)
+        bf16_high[b][byte] = bf16[b][byte] == 0x80 ? 0x80 : uint8_t(bf16[b][byte] + 8);
     }
   }
 };
@@ -85,6 +92,30 @@ WS_TARGET inline __m256 expand(__m256i kept, uint8_t byte) {
       _mm256_shuffle_epi8(kept, _mm256_load_si256(reinterpret_cast<const __m256i*>(control))));
 }
 
+// The vpshufb control at byte offset `offset` (a bitmask byte times 32) of a table.
+WS_TARGET inline __m256i control_at(const uint8_t (*table)[32], uint32_t offset) {
+  return _mm256_load_si256(
+      reinterpret_cast<const __m256i*>(reinterpret_cast<const uint8_t*>(table) + offset));
+}
+
+// Eight dense float32 weights: inputs [8 i, 8 i + 8) of 32 whose kept values start at `values`
+// and whose bitmask bytes are `bits` (the first in the low byte); the i-th byte, times 32, is
+// its control's offset. bfloat16: one 16-byte load holds the kept values of sixteen inputs, the
+// second eight's placed by bf16_high.
+template <WeightType W>
+WS_TARGET inline __m256 expand_eight(const char* values, uint32_t bits, int i) {
+  const uint32_t offset = (i == 0 ? bits << 5 : bits >> (8 * i - 5)) & 0x1FE0;
+  if constexpr (W == WeightType::f32) {
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(kept_bytes<W>(values + 16 * i, false),
+                                                   control_at(kTable.f32, offset)));
+  } else {
+    const __m256i kept = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 16 * (i / 2))));
+    return _mm256_castsi256_ps(
+        _mm256_shuffle_epi8(kept, control_at(i % 2 ? kTable.bf16_high : kTable.bf16, offset)));
+  }
+}
+
 WS_TARGET inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -92,11 +123,92 @@ WS_TARGET inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
-// values and bitmask are walked
-// by a pointer of its own.
+// y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row), the rows' one pass
+// (at most four tokens: they are read from memory). Each step of 32 inputs reads, for every
+// row, the kept values and bitmask bytes of its inputs at one offset from the row's start
+// (rows of a 2:4 layer all hold K / 2 values).
 template <int R, int T, WeightType W>
 WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t n) {
+  const int64_t row_bytes = a.K / 2 * kValueBytes<W>, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
+  const int64_t steps = a.K & ~int64_t(31), sixteens = a.K & ~int64_t(15);
+  const int64_t whole = a.K & ~int64_t(7);
+  // S sums per row and token in flight (a chain of FMAs each), where few rows and tokens would
+  // leave the FMAs waiting on each other
+  constexpr int S = R * T == 1 ? 4 : R * T == 2 ? 2 : 1;
+  const char* values[R];
+  const uint8_t* masks[R];
+  __m256 acc[R][T][S];
+  for (int r = 0; r < R; ++r) {
+    values[r] = static_cast<const char*>(a.compressed) + (n + r) * row_bytes;
+    masks[r] = a.bitmask + (n + r) * mask_bytes;
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < S; ++i) acc[r][t][i] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < steps; k += 32) {
+    const int64_t at = k / 2 * kValueBytes<W>;  // the step's kept values in each row
+    if ((k & kPrefetchEvery<W>) == 0) {  // once per cache line of kept values, per row
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(values[r] + at + kPrefetchAhead, _MM_HINT_T0);
+        if ((k & 511) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(masks[r] + k / 8) + 64, _MM_HINT_T0);
+      }
+    }
+    uint32_t bits[R];
+    for (int r = 0; r < R; ++r) std::memcpy(&bits[r], masks[r] + k / 8, sizeof(bits[r]));
+    for (int r = 0; r < R; ++r)  // each row's 32 weights go into its sums at once
+      for (int i = 0; i < 4; ++i) {
+        const __m256 w = expand_eight<W>(values[r] + at, bits[r], i);
+        for (int t = 0; t < T; ++t)
+          acc[r][t][i % S] =
+              _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * ldx + k + 8 * i), acc[r][t][i % S]);
+      }
+  }
+  if (steps < sixteens) {  // sixteen inputs more
+    const int64_t at = steps / 2 * kValueBytes<W>;
+    for (int r = 0; r < R; ++r) {
+      uint16_t bits;
+      std::memcpy(&bits, masks[r] + steps / 8, sizeof(bits));
+      for (int i = 0; i < 2; ++i) {
+        const __m256 w = expand_eight<W>(values[r] + at, bits, i);
+        for (int t = 0; t < T; ++t)
+          acc[r][t][0] =
+              _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * ldx + steps + 8 * i), acc[r][t][0]);
+      }
+    }
+  }
+  if (sixteens < whole) {  // eight inputs more
+    const int64_t at = sixteens / 2 * kValueBytes<W>;
+    __m256 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x + t * ldx + sixteens);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = expand<W>(kept_bytes<W>(values[r] + at, false), masks[r][sixteens / 8]);
+      for (int t = 0; t < T; ++t) acc[r][t][0] = _mm256_fmadd_ps(w, xv[t], acc[r][t][0]);
+    }
+  }
+  if (whole < a.K) {  // a last group of four inputs
+    const int64_t at = whole / 2 * kValueBytes<W>;
+    __m256 xv[T];
+    for (int t = 0; t < T; ++t)
+      xv[t] = _mm256_set_m128(_mm_setzero_ps(), _mm_loadu_ps(x + t * ldx + whole));
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = expand<W>(kept_bytes<W>(values[r] + at, true), masks[r][whole / 8] & 0x0F);
+      for (int t = 0; t < T; ++t) acc[r][t][0] = _mm256_fmadd_ps(w, xv[t], acc[r][t][0]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      for (int i = 1; i < S; ++i) acc[r][t][0] = _mm256_add_ps(acc[r][t][0], acc[r][t][i]);
+      store_sum(a, (m + t) * a.ldy + n + r, n + r, horizontal_sum(acc[r][t][0]));
+    }
+}
+
+// The same for a tile of T tokens of more than four, over rows held in cache since the first
+// tile: eight inputs a step, each eight of x loaded once for every row (fewer loads than the
+// 32-input step, which gains where the rows come from memory: on the Zen 5 EPYC capped at
+// AVX2, 12288 x 4096, sixteen tokens took 9.9-10.2 ms here against 11.2-12.3 there, and four
+// tokens 3.3-3.4 against 2.9-3.1).
+template <int R, int T, WeightType W>
+WS_TARGET void rows_block_cached(const RowsArgs& a, const float* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
   const int64_t whole = a.K & ~int64_t(7);
   const char* values[R];
@@ -137,16 +249,23 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t 
       store_sum(a, (m + t) * a.ldy + n + r, n + r, horizontal_sum(acc[r][t]));
 }
 
-// Every token of rows [n, n + G): tiles of up to four tokens pass over the group while it is
-// in cache, so the weights are read from memory once.
+// Every token of rows [n, n + G): one pass for up to four tokens; else tiles of up to four
+// tokens pass over the group while it is in cache, so the weights are read from memory once.
 template <int G, WeightType W>
 WS_TARGET void rows_all_tokens(const RowsArgs& a, const float* x, int64_t n) {
+  switch (a.M) {
+    case 1: rows_block<G, 1, W>(a, x, 0, n); return;
+    case 2: rows_block<G, 2, W>(a, x, 0, n); return;
+    case 3: rows_block<G, 3, W>(a, x, 0, n); return;
+    case 4: rows_block<G, 4, W>(a, x, 0, n); return;
+    default: break;
+  }
   int64_t m = 0;
-  for (; m + 4 <= a.M; m += 4) rows_block<G, 4, W>(a, x + m * a.ldx, m, n);
+  for (; m + 4 <= a.M; m += 4) rows_block_cached<G, 4, W>(a, x + m * a.ldx, m, n);
   switch (a.M - m) {
-    case 3: rows_block<G, 3, W>(a, x + m * a.ldx, m, n); break;
-    case 2: rows_block<G, 2, W>(a, x + m * a.ldx, m, n); break;
-    case 1: rows_block<G, 1, W>(a, x + m * a.ldx, m, n); break;
+    case 3: rows_block_cached<G, 3, W>(a, x + m * a.ldx, m, n); break;
+    case 2: rows_block_cached<G, 2, W>(a, x + m * a.ldx, m, n); break;
+    case 1: rows_block_cached<G, 1, W>(a, x + m * a.ldx, m, n); break;
     default: break;
   }
 }
@@ -196,10 +315,13 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
 
 template <WeightType W>
 void rows_for_tokens(const RowsArgs& args) {
-  // rows side by side: more streams from memory for one token (measured: six the fastest
-  // here), fewer where three or four tokens need their accumulators (16 registers)
+  // rows side by side, measured on the Zen 5 EPYC with the kernels capped at AVX2 (12288 x
+  // 4096): one token, one row at a time in memory order (four sums in flight), 1.53-1.64 ms
+  // against six rows' 1.69-1.70; two tokens, four rows (2.00-2.03 ms; one or two rows
+  // 2.31-2.39); more tokens, two rows (four tokens 2.79-2.80 ms; one row 3.33-3.50). Six rows
+  // had been the fastest for one token on an AVX2 EPYC, with the eight-input step before.
   if (args.M == 1) {
-    rows_typed<6, W>(args);
+    rows_typed<1, W>(args);
   } else if (args.M == 2) {
     rows_typed<4, W>(args);
   } else {

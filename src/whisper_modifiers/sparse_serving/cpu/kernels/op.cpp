@@ -83,7 +83,7 @@ void decompress_rows(const at::Tensor& compressed, const at::Tensor& bitmask,
                      const int64_t* offsets, int64_t in_features, int64_t begin, int64_t end,
                      at::Tensor& out) {
   DecompressArgs args{compressed.data_ptr(), weight_type(compressed), bitmask.data_ptr<uint8_t>(),
-                      out.data_ptr(), in_features, 0, 0, offsets};
+                      out.data_ptr(), in_features, 0, 0, offsets, compressed.numel()};
   const auto kernel = active_isa() >= kAvx512 ? decompress_avx512
                       : offsets != nullptr    ? decompress_bitmask_avx2
                                               : decompress_avx2;

@@ -82,7 +82,8 @@ inline void store_sum(const RowsArgs& a, int64_t index, int64_t row, float sum) 
 }
 
 // Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride K); an
-// unstructured layer's rows start at row_offsets[n] (as in RowsArgs).
+// unstructured layer's rows start at row_offsets[n] (as in RowsArgs), values_count values in
+// all (0: unknown, and every load checked).
 struct DecompressArgs {
   const void* compressed;
   WeightType type;
@@ -92,6 +93,7 @@ struct DecompressArgs {
   int64_t n_begin;
   int64_t n_end;
   const int64_t* row_offsets = nullptr;
+  int64_t values_count = 0;
 };
 
 // avx2.cpp: AVX2 + FMA; x float32; a table indexed by each byte of the bitmask (two
@@ -100,7 +102,7 @@ void rows_avx2(const RowsArgs& args);
 void decompress_avx2(const DecompressArgs& args);
 
 // avx2_bitmask.cpp: unstructured rows (RowsArgs::row_offsets) on AVX2 + FMA; x float32; a
-// table of ranks per bitmask byte places up to eight kept values; and their dense rows.
+// table per bitmask byte places up to eight kept values; and their dense rows.
 void rows_bitmask_avx2(const RowsArgs& args);
 void decompress_bitmask_avx2(const DecompressArgs& args);
 
