@@ -59,10 +59,14 @@ __all__ = [
     "random_unstructured",
 ]
 
-TOKEN_LADDER = (1, 4, 16, 32, 64, 256)
+# up to 512: the row kernels' tiles of four tokens read all of x once per group of rows, and a
+# large x leaves the cache (on the Zen 5 EPYC capped at AVX2, 4096 x 11008 at 256 / 512
+# tokens: rows 141 / 536 ms, tiles 134 / 310); a ladder that stopped at 256 kept the rows at
+# 512 where the tiles took 0.40x their time (4096 x 14336)
+TOKEN_LADDER = (1, 4, 16, 32, 64, 256, 512)
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
 PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
 # (tiled_from, gemm_from, lanes_until, brgemm_tiles) of the op that takes each path at every
