@@ -42,7 +42,14 @@ SOURCE_DIR = Path(__file__).with_name("kernels")
 KERNEL_SOURCES = ("avx2.cpp", "avx2_bitmask.cpp", "avx512.cpp",
                   "avx512_bf16.cpp", "avx512_bf16_gemm.cpp", "avx512_bf16_bitmask_gemm.cpp",
                   "op.cpp", "op_brgemm.cpp", "op_gemm.cpp", "op_isa.cpp")  # fmt: skip
-HEADERS = ("sparse_kernels.h", "avx512_bf16_parts.h", "op_brgemm.h", "op_gemm.h", "op_isa.h")
+HEADERS = (
+    "sparse_kernels.h",
+    "avx2_byte_tables.h",
+    "avx512_bf16_parts.h",
+    "op_brgemm.h",
+    "op_gemm.h",
+    "op_isa.h",
+)
 LIBRARY = f"lib{CPU_OP_NAMESPACE}.so"
 BUILD_TIMEOUT = 600  # seconds for one source file
 

@@ -10,6 +10,7 @@
 
 #include <cstring>
 
+#include "avx2_byte_tables.h"
 #include "sparse_kernels.h"
 
 #define WS_TARGET __attribute__((target("avx2,fma")))
@@ -18,14 +19,12 @@ namespace whisper_sparse {
 namespace {
 
 struct ExpandTable {
-  // f32[b] / bf16[b]: vpshufb controls placing the kept float32 (bfloat16) values of byte b's
-  // eight inputs as eight float32 lanes; 0x80 writes a zero byte
+  // f32[b]: vpshufb controls placing the kept float32 values of byte b's eight inputs as eight
+  // float32 lanes; 0x80 writes a zero byte (bfloat16: kByteShuffles.widen)
   alignas(64) uint8_t f32[256][32];
-  alignas(64) uint8_t bf16[256][32];
-  // bf16_high[b]: bf16[b] reading kept bytes 8..15, the second eight inputs of sixteen
+  // bf16_high[b]: kByteShuffles.widen[b] reading kept bytes 8..15, the second eight inputs of
+  // sixteen
   alignas(64) uint8_t bf16_high[256][32];
-  // shuffle[b]: the kept bfloat16 bytes of byte b's inputs as eight bfloat16 lanes
-  alignas(64) uint8_t shuffle[256][16];
 
   ExpandTable() {
     std::memset(this, 0x80, sizeof(*this));
@@ -36,15 +35,12 @@ struct ExpandTable {
         if (next < 4) {
           const int lane = 4 * (i % 4) + (i / 4) * 16;  // byte offset in the 256-bit register
           for (int byte = 0; byte < 4; ++byte) f32[b][lane + byte] = uint8_t(4 * next + byte);
-          bf16[b][lane + 2] = uint8_t(2 * next);
-          bf16[b][lane + 3] = uint8_t(2 * next + 1);
-          shuffle[b][2 * i] = uint8_t(2 * next);
-          shuffle[b][2 * i + 1] = uint8_t(2 * next + 1);
         }
         ++next;
       }
+      const uint8_t* widen = kByteShuffles.widen[b];
       for (int byte = 0; byte < 32; ++byte)
-        bf16_high[b][byte] = bf16[b][byte] == 0x80 ? 0x80 : uint8_t(bf16[b][byte] + 8);
+        bf16_high[b][byte] = widen[byte] == 0x80 ? 0x80 : uint8_t(widen[byte] + 8);
     }
   }
 };
@@ -87,7 +83,7 @@ constexpr int64_t kPrefetchEvery = W == WeightType::f32 ? 31 : 63;
 // Eight dense float32 weights from one bitmask byte and its kept values.
 template <WeightType W>
 WS_TARGET inline __m256 expand(__m256i kept, uint8_t byte) {
-  const uint8_t* control = W == WeightType::f32 ? kTable.f32[byte] : kTable.bf16[byte];
+  const uint8_t* control = W == WeightType::f32 ? kTable.f32[byte] : kByteShuffles.widen[byte];
   return _mm256_castsi256_ps(
       _mm256_shuffle_epi8(kept, _mm256_load_si256(reinterpret_cast<const __m256i*>(control))));
 }
@@ -112,7 +108,7 @@ WS_TARGET inline __m256 expand_eight(const char* values, uint32_t bits, int i) {
     const __m256i kept = _mm256_broadcastsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 16 * (i / 2))));
     return _mm256_castsi256_ps(
-        _mm256_shuffle_epi8(kept, control_at(i % 2 ? kTable.bf16_high : kTable.bf16, offset)));
+        _mm256_shuffle_epi8(kept, control_at(i % 2 ? kTable.bf16_high : kByteShuffles.widen, offset)));
   }
 }
 
@@ -298,14 +294,14 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
       for (int64_t k = 0; k < whole; k += 8) {
         const __m128i kept = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + k));
         const __m128i control =
-            _mm_load_si128(reinterpret_cast<const __m128i*>(kTable.shuffle[mask[k / 8]]));
+            _mm_load_si128(reinterpret_cast<const __m128i*>(kByteShuffles.place[mask[k / 8]]));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * k), _mm_shuffle_epi8(kept, control));
       }
       if (whole < K) {
         int32_t two;
         std::memcpy(&two, values + whole, sizeof(two));
         const __m128i control = _mm_load_si128(
-            reinterpret_cast<const __m128i*>(kTable.shuffle[mask[whole / 8] & 0x0F]));
+            reinterpret_cast<const __m128i*>(kByteShuffles.place[mask[whole / 8] & 0x0F]));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(out + 2 * whole),
                          _mm_shuffle_epi8(_mm_cvtsi32_si128(two), control));
       }

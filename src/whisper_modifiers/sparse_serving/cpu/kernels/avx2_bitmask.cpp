@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "avx2_byte_tables.h"
 #include "sparse_kernels.h"
 
 #define WS_TARGET __attribute__((target("avx2,fma,popcnt")))
@@ -19,32 +20,23 @@
 namespace whisper_sparse {
 namespace {
 
-struct ByteTables {
-  alignas(32) uint8_t widen[256][32];   // vpshufb: kept bfloat16 j to its input's float32 lane
-  alignas(32) int32_t rank[256][8];     // lane i: how many marks come before input i
-  alignas(32) int32_t keep[256][8];     // lane i: all ones where input i is marked
-  alignas(16) uint8_t place[256][16];   // pshufb: kept bfloat16 j to its input's bfloat16 lane
-  ByteTables() {
-    std::memset(widen, 0x80, sizeof(widen));
-    std::memset(place, 0x80, sizeof(place));
+struct RankTable {
+  alignas(32) int32_t rank[256][8];  // lane i: how many marks come before input i
+  alignas(32) int32_t keep[256][8];  // lane i: all ones where input i is marked
+  RankTable() {
     for (int byte = 0; byte < 256; ++byte) {
       int before = 0;
       for (int i = 0; i < 8; ++i) {
         const bool marked = byte >> i & 1;
         rank[byte][i] = marked ? before : 0;
         keep[byte][i] = marked ? -1 : 0;
-        if (marked) {
-          const int lane = 4 * (i % 4) + (i / 4) * 16;  // byte offset in the 256-bit register
-          widen[byte][lane + 2] = place[byte][2 * i] = uint8_t(2 * before);
-          widen[byte][lane + 3] = place[byte][2 * i + 1] = uint8_t(2 * before + 1);
-        }
         before += marked;
       }
     }
   }
 };
 
-const ByteTables kTables;
+const RankTable kRanks;  // float32 weights (bfloat16: kByteShuffles)
 
 template <WeightType W>
 constexpr int64_t kValueBytes = W == WeightType::f32 ? 4 : 2;
@@ -70,13 +62,13 @@ template <WeightType W>
 WS_TARGET inline __m256 expand_byte(const char* source, uint32_t byte, uint32_t offset) {
   if constexpr (W == WeightType::f32) {
     const __m256 loaded = _mm256_loadu_ps(reinterpret_cast<const float*>(source));
-    const __m256i rank = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTables.rank[byte]));
-    const __m256i keep = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTables.keep[byte]));
+    const __m256i rank = _mm256_load_si256(reinterpret_cast<const __m256i*>(kRanks.rank[byte]));
+    const __m256i keep = _mm256_load_si256(reinterpret_cast<const __m256i*>(kRanks.keep[byte]));
     return _mm256_and_ps(_mm256_permutevar8x32_ps(loaded, rank), _mm256_castsi256_ps(keep));
   } else {
     const __m256i kept =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
-    const uint8_t* control = &kTables.widen[0][0] + offset;
+    const uint8_t* control = &kByteShuffles.widen[0][0] + offset;
     return _mm256_castsi256_ps(
         _mm256_shuffle_epi8(kept, _mm256_load_si256(reinterpret_cast<const __m256i*>(control))));
   }
@@ -188,7 +180,7 @@ WS_TARGET void decompress_row(const DecompressArgs& a, int64_t n) {
       } else {
         const __m128i kept = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
         const __m128i control =
-            _mm_load_si128(reinterpret_cast<const __m128i*>(kTables.place[byte]));
+            _mm_load_si128(reinterpret_cast<const __m128i*>(kByteShuffles.place[byte]));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm_shuffle_epi8(kept, control));
       }
       values += __builtin_popcount(byte);
