@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, KERNEL_MODES
+from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import compilation_mode
 
 DECODE_PROMPT = 16  # prompt tokens of a decode workload's sequences
 DEFAULT_WORKLOADS = ["prefill:32x2048", "decode:1x128", "decode:64x256", "decode:256x128"]
@@ -188,7 +189,7 @@ def graph_settings(llm) -> dict:
     config = llm.llm_engine.vllm_config
     compilation = config.compilation_config
     return {
-        "compilation_mode": getattr(compilation.mode, "name", str(compilation.mode)),
+        "compilation_mode": compilation_mode(config),
         "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size", None),
         "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", None)),
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,

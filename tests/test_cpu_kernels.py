@@ -9,6 +9,7 @@ tolerance. Random real values are then checked against a bound on float32 roundi
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -429,6 +430,34 @@ def test_bitmask_op_follows_the_reference_on_real_values(isa):
                                          *bitmask_thresholds(PATHS[path]))  # fmt: skip
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + 2.0**-8 * reference.abs()).all(), tokens
+
+
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+def test_tiles_are_exact_across_tiles(isa, weight_dtype):
+    """A layer of several tiles (at least 128 rows each: 300 rows make 128 + 128 + 44, the
+    threads taking whole tiles), 2:4 and unstructured, with bias: each tile's products and
+    bias land in their own columns, bit for bit as the exact reference rounded once (in
+    bfloat16 where the tiles are); and so under ``torch.inference_mode``, as vLLM calls the
+    op (the threads run tensor ops on its inference tensors)."""
+    generator = torch.Generator().manual_seed(6)
+    rows, columns, tokens = 300, 4100, 17
+    bf16_tiles = weight_dtype == torch.bfloat16 and isa == "avx512_bf16"
+    exact_in = torch.bfloat16 if bf16_tiles else torch.float32
+    x = torch.randint(-3, 4, (tokens, columns), generator=generator).float()
+    bias = torch.randint(-3, 4, (rows,), generator=generator).float()
+    two_four = integer_two_four(rows, columns, weight_dtype, generator)
+    unstructured = integer_sparse(rows, columns, 0.5, weight_dtype, generator)
+    for weight in (two_four, unstructured):
+        exact = x.double() @ weight.double().t() + bias.double()
+        expected = exact.to(exact_in).float()
+        for path, inference in itertools.product(("tiles", "brgemm"), (False, True)):
+            thresholds = PATHS[path]
+            with torch.inference_mode(inference):
+                got = (sparse24_cpu_linear(x, *compress_24(weight), bias, columns, *thresholds)
+                       if weight is two_four else
+                       bitmask_cpu_linear(x, *compress_bitmask(weight), bias, columns,
+                                          *bitmask_thresholds(thresholds)))  # fmt: skip
+            assert torch.equal(got, expected), (path, inference, weight is two_four)
 
 
 def test_bitmask_op_refuses_bad_tensors():

@@ -619,7 +619,8 @@ def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
     """vLLM's real ``VllmConfig.compute_hash`` (its compile-cache key) changes with the
     plugin's kernel mode and with any layer's plan, and only with them; and with the
     CUDA-graph capture size the serving benchmark sets (``vllm_speed.py
-    --capture-sizes``), which vLLM hashes itself, so the plugin need not."""
+    --capture-sizes``), which vLLM hashes itself, so the plugin need not. And
+    ``compilation_mode`` names vLLM's modes as the worker and the benchmark report them."""
     script = (
         "from vllm.config import VllmConfig\n"
         "from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import note_layer\n"
@@ -642,9 +643,17 @@ def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
         "    note_layer(config, 'a', 'auto', PLAN)\n"
         "    return config.compute_hash()\n"
         "print('CAPTURE', captured(512) != captured(2048) and captured(512) == captured(512))\n"
+        "from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import compilation_mode\n"
+        "from vllm.config import CompilationMode\n"
+        "from types import SimpleNamespace\n"
+        "def named(mode):\n"
+        "    config = CompilationConfig(mode=mode)\n"
+        "    return compilation_mode(SimpleNamespace(compilation_config=config))\n"
+        "print('NAMED', named(CompilationMode.NONE) == 'NONE'\n"
+        "      and named(CompilationMode.VLLM_COMPILE) == 'VLLM_COMPILE')\n"
     )
     done = in_serving_env(script)
-    for check in ("SAME", "MODE", "PLAN", "DENSE", "UNTOUCHED", "CAPTURE"):
+    for check in ("SAME", "MODE", "PLAN", "DENSE", "UNTOUCHED", "CAPTURE", "NAMED"):
         assert f"{check} True" in done.stdout, done.stdout + done.stderr[-2000:]
 
 

@@ -198,10 +198,12 @@ def main(request_path: str) -> int:
     )
     import time
 
-    compilation = llm.llm_engine.vllm_config.compilation_config
+    from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import compilation_mode
+
+    config = llm.llm_engine.vllm_config
     answer = {"completions": [], "scores": [], "seconds": {},
-              "compilation": {"mode": getattr(compilation.mode, "name", str(compilation.mode)),
-                              "backend": compilation.backend}}  # fmt: skip
+              "compilation": {"mode": compilation_mode(config),
+                              "backend": config.compilation_config.backend}}  # fmt: skip
     if request.get("prompts"):
         greedy = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16))
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]

@@ -18,8 +18,8 @@ tokens (the thresholds are ``cpu.plans``' measurements):
   (a dense GEMM's products, from the compressed bytes, the tokens in the lanes). A 2:4
   layer runs the unstructured GEMM below ``lanes_until`` tokens, where the plan measured
   it faster (from 16 tokens on most 7B/8B shapes on a Zen 5 EPYC);
-* from ``tiled_from``, it expands about 1 MiB of weight rows at a time and hands them to
-  ATen's dense GEMM (oneDNN: AMX where the CPU has it).
+* from ``tiled_from``, it expands about 1 MiB of weight rows at a time (at least 128 rows)
+  and hands them to ATen's dense GEMM (oneDNN: AMX where the CPU has it).
 
 The kernels are chosen at run time from the CPU's flags (``cpu_isa``; ``set_cpu_isa``
 caps them, for tests). ``reference_linear`` is the pure-torch reference the tests compare

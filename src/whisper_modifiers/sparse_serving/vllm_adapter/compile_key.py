@@ -9,13 +9,15 @@ compiled graph. A graph compiled in one mode and loaded in another crashed insid
 compiled forward (``KeyError: 'sparse_kernel'``). ``note_layer`` therefore records the
 mode and every layer's plan in ``vllm_config.additional_config``, which ``compute_hash``
 includes: another mode or other plans give another key, the same ones the same key.
+``compilation_mode`` names the mode an engine compiles in (``NONE``: eager), as the
+serving worker and the speed benchmark report it.
 
 Standard library only.
 """
 
 from __future__ import annotations
 
-__all__ = ["COMPILE_KEY", "note_layer"]
+__all__ = ["COMPILE_KEY", "compilation_mode", "note_layer"]
 
 # the entry of vLLM's ``additional_config`` that holds this plugin's factors
 COMPILE_KEY = "whisper_modifiers_sparse24"
@@ -35,3 +37,10 @@ def note_layer(vllm_config, layer: str, mode: str, plan: dict | None) -> None:
     entry = extra.setdefault(COMPILE_KEY, {"mode": mode, "layers": {}})
     entry["mode"] = mode
     entry["layers"][layer] = "dense" if plan is None else plan
+
+
+def compilation_mode(vllm_config) -> str:
+    """The name of the compilation mode ``vllm_config`` runs in (``NONE``: eager; vLLM's
+    default on a CPU compiles with torch.compile)."""
+    mode = vllm_config.compilation_config.mode
+    return getattr(mode, "name", str(mode))
