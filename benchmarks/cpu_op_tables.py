@@ -5,7 +5,13 @@ sparsity next to the bytes bound."""
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
+
+
+def _wrapped(cpu: str) -> str:
+    """The CPU line in lines that fit a plot's title (a capped run's line is long)."""
+    return "\n".join(textwrap.wrap(cpu, 95))
 
 
 def markdown(payload: dict) -> str:
@@ -66,7 +72,7 @@ def plot(payload: dict, path: Path) -> None:
     axis.set_xscale("log", base=2)
     axis.set_xlabel("tokens per call (M)")
     axis.set_ylabel("dense time / 2:4 op time\n(solid: F.linear; dashed: vLLM's oneDNN)")
-    axis.set_title(f"2:4 CPU op, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
+    axis.set_title(f"2:4 CPU op, {payload['dtype']}\n{_wrapped(payload['cpu'])}", fontsize=8)
     axis.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -158,7 +164,9 @@ def plot_sparsity(payload: dict, path: Path) -> None:
     axis.axhline(1.0, color="grey", linewidth=0.8)
     axis.set_xlabel("unstructured sparsity (stars: 2:4)")
     axis.set_ylabel(f"{baseline_name(payload)} time / op time\n(median over shapes)")
-    axis.set_title(f"CPU op against dense, {payload['dtype']}\n{payload['cpu']}", fontsize=8)
+    axis.set_title(
+        f"CPU op against dense, {payload['dtype']}\n{_wrapped(payload['cpu'])}", fontsize=8
+    )
     axis.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -2,8 +2,9 @@
 
 * ``kernels/``: one C++ file per instruction set (AVX2, AVX-512, AVX-512 BF16 and its 2:4
   and unstructured GEMMs), the torch ops and their paths by token count (``op.cpp``), the
-  run-time dispatch from the CPU's flags (``op_isa.cpp``) and the GEMM path over the
-  threads (``op_gemm.cpp``);
+  run-time dispatch from the CPU's flags (``op_isa.cpp``), the GEMM path over the threads
+  (``op_gemm.cpp``) and the prefill tiles (``op_tiles.cpp``; ``op_brgemm.cpp``: through
+  oneDNN's micro-kernel);
 * ``build``: compiled on first use into the cache; ``op``: the ``torch.library`` op, its
   wrappers and the pure-torch reference the tests compare with;
 * ``plans``: which path (rows, GEMM, tiles) each shape takes, measured and cached;

@@ -41,7 +41,8 @@ CPU_OP_NAMESPACE = "whisper_sparse_cpu"
 SOURCE_DIR = Path(__file__).with_name("kernels")
 KERNEL_SOURCES = ("avx2.cpp", "avx2_bitmask.cpp", "avx512.cpp",
                   "avx512_bf16.cpp", "avx512_bf16_gemm.cpp", "avx512_bf16_bitmask_gemm.cpp",
-                  "op.cpp", "op_brgemm.cpp", "op_gemm.cpp", "op_isa.cpp")  # fmt: skip
+                  "op.cpp", "op_brgemm.cpp", "op_gemm.cpp", "op_isa.cpp",
+                  "op_tiles.cpp")  # fmt: skip
 HEADERS = (
     "sparse_kernels.h",
     "avx2_byte_tables.h",
@@ -49,6 +50,7 @@ HEADERS = (
     "op_brgemm.h",
     "op_gemm.h",
     "op_isa.h",
+    "op_tiles.h",
 )
 LIBRARY = f"lib{CPU_OP_NAMESPACE}.so"
 BUILD_TIMEOUT = 600  # seconds for one source file
