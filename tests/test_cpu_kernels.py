@@ -447,17 +447,20 @@ def test_tiles_are_exact_across_tiles(isa, weight_dtype):
     bias = torch.randint(-3, 4, (rows,), generator=generator).float()
     two_four = integer_two_four(rows, columns, weight_dtype, generator)
     unstructured = integer_sparse(rows, columns, 0.5, weight_dtype, generator)
-    for weight in (two_four, unstructured):
+    compressed_24, stored = compress_24(two_four), compress_bitmask(unstructured)
+    layers = {  # layout: (weight, the op on its stored tensors at a path's thresholds)
+        "2:4": (two_four, lambda thresholds: sparse24_cpu_linear(
+            x, *compressed_24, bias, columns, *thresholds)),
+        "unstructured": (unstructured, lambda thresholds: bitmask_cpu_linear(
+            x, *stored, bias, columns, *bitmask_thresholds(thresholds))),
+    }  # fmt: skip
+    for layout, (weight, run) in layers.items():
         exact = x.double() @ weight.double().t() + bias.double()
         expected = exact.to(exact_in).float()
         for path, inference in itertools.product(("tiles", "brgemm"), (False, True)):
-            thresholds = PATHS[path]
             with torch.inference_mode(inference):
-                got = (sparse24_cpu_linear(x, *compress_24(weight), bias, columns, *thresholds)
-                       if weight is two_four else
-                       bitmask_cpu_linear(x, *compress_bitmask(weight), bias, columns,
-                                          *bitmask_thresholds(thresholds)))  # fmt: skip
-            assert torch.equal(got, expected), (path, inference, weight is two_four)
+                got = run(PATHS[path])
+            assert torch.equal(got, expected), (layout, path, inference)
 
 
 def test_bitmask_op_refuses_bad_tensors():
