@@ -134,7 +134,7 @@ def vllm_dense_linear():
 
 def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     """``copies`` random weights of the layout (``2:4``, or unstructured at ``sparsity``),
-    their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_tiles)``
+    their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_until)``
     of the op on each."""
     from whisper_modifiers.sparse_serving.cpu.op import bitmask_cpu_linear, sparse24_cpu_linear
     from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
@@ -175,7 +175,7 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     except RuntimeError as error:  # oneDNN capped below its bfloat16 GEMM (--isa avx2)
         print(f"  vLLM's dense GEMM does not run here: {str(error).splitlines()[0]}")
         vllm_dense = []
-    paths = {"op": (plan.tiled_from, plan.gemm_from, plan.lanes_until, plan.brgemm_tiles)}
+    paths = {"op": (plan.tiled_from, plan.gemm_from, plan.lanes_until, plan.brgemm_until)}
     paths |= PATH_THRESHOLDS
     gemm = gemm_runs(dtype, dtype)
     brgemm = gemm and brgemm_kernel() != "none"  # the micro-kernel's tiles, in bfloat16
@@ -186,14 +186,14 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
             sides = {"dense": [lambda w=w, x=x: F.linear(x, w) for w in dense]}
             if vllm_dense:
                 sides["vllm_dense"] = [lambda f=f, x=x: f(x) for f in vllm_dense]
-            for label, (tiled_from, gemm_from, lanes, brgemm_tiles) in paths.items():
+            for label, (tiled_from, gemm_from, lanes, brgemm_until) in paths.items():
                 if ((label == "rows" and count > args.rows_up_to)
                         or (label in ("gemm", "lanes") and not gemm)
                         or (label == "lanes" and sparsity != "2:4")
                         or (label == "brgemm" and not brgemm)):  # fmt: skip
                     continue
                 sides[label] = [lambda r=r, t=tiled_from, g=gemm_from, lanes=lanes,
-                                b=brgemm_tiles, x=x: r(x, t, g, lanes, b)
+                                b=brgemm_until, x=x: r(x, t, g, lanes, b)
                                 for r in runs]  # fmt: skip
             times = alternating_medians(sides, args.repeats)
             row = {"tokens": count, "seconds": times, "copies": copies,

@@ -112,7 +112,7 @@ def test_decompress_kernel_equals_the_format(isa, dtype):
         assert torch.equal(decompress_24(compressed, bitmask, (rows, columns)), weight)
 
 
-# (tiled_from, gemm_from, lanes_until, brgemm_tiles) of each path: the GEMMs run where
+# (tiled_from, gemm_from, lanes_until, brgemm_until) of each path: the GEMMs run where
 # gemm_runs says, the rows elsewhere; "lanes": a 2:4 layer in the unstructured GEMM (an
 # unstructured layer's GEMM); "brgemm": the tiles through oneDNN's micro-kernel where it runs
 # (brgemm_kernel), else ATen's
@@ -187,10 +187,10 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     compressed, bitmask = compress_24(weight)
     x = torch.randn(5, 128).to(torch.bfloat16)
     op = torch.ops.whisper_sparse_cpu.linear.default
-    for tiled_from, gemm_from, lanes_until, brgemm_tiles in PATHS.values():
+    for tiled_from, gemm_from, lanes_until, brgemm_until in PATHS.values():
         torch.library.opcheck(
             op,
-            (x, compressed, bitmask, None, 128, gemm_from, tiled_from, lanes_until, brgemm_tiles),
+            (x, compressed, bitmask, None, 128, gemm_from, tiled_from, lanes_until, brgemm_until),
             test_utils=("test_schema", "test_faketensor"),
         )
 
@@ -234,19 +234,30 @@ def test_plan_runs_each_token_count_on_the_path_that_won_there():
 
 def test_plan_takes_the_micro_kernels_tiles_where_they_beat_atens():
     """Where the micro-kernel's tiles are timed ("brgemm", on AMX), each count weighs the
-    faster tiles, and the tiles run through the micro-kernel if it took less time in all."""
+    faster tiles, and the tiles run through the micro-kernel up to the lowest count from
+    which ATen's were never slower (an AMX Xeon's host: the micro-kernel won 4096 x 11008 at
+    16 tokens, 4.8 against 12.2 ms, and lost at 512, 92 against 51; one choice for all the
+    tiles' counts took ATen's at 16, 0.54x dense)."""
     timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (4, 2.0, 3.0, 3.0, 2.0),
                              (16, 4.0, 3.5, 5.0, 5.0), (64, 9.0, 8.0, 9.0, 9.0)])  # fmt: skip
     for timing, brgemm in zip(timings, (4.0, 4.0, 2.0, 4.0), strict=True):
         timing["brgemm_s"] = brgemm
     plan = plan_from_timings(timings)
-    assert (plan.gemm_from, plan.tiled_from, plan.brgemm_tiles) == (NO_TILES, 16, True)
+    assert (plan.gemm_from, plan.tiled_from, plan.brgemm_until) == (NO_TILES, 16, NO_TILES)
     assert [plan.path(t) for t in (1, 15, 16, 64)] == ["rows", "rows", "brgemm", "brgemm"]
     assert plan.speedups[2] == (16, 2.5) and "brgemm tiles from 16" in plan.describe()
     timings[2]["brgemm_s"], timings[3]["brgemm_s"] = 3.0, 12.0  # the faster at 16 only
     timings[3]["tiles_s"] = 7.0
-    plan = plan_from_timings(timings)  # from 16, in all slower than ATen's tiles: ATen's
-    assert (plan.tiled_from, plan.brgemm_tiles, plan.path(16)) == (16, False, "tiles")
+    plan = plan_from_timings(timings)  # the micro-kernel's at 16, ATen's from 64
+    assert (plan.tiled_from, plan.brgemm_until) == (16, 64)
+    assert [plan.path(t) for t in (15, 16, 63, 64)] == ["rows", "brgemm", "brgemm", "tiles"]
+    assert [ratio for _, ratio in plan.speedups[2:]] == [5.0 / 3.0, 9.0 / 7.0]
+    assert "brgemm tiles from 16; tiles from 64 tokens" in plan.describe()
+    timings[2]["tiles_s"], timings[2]["brgemm_s"] = 3.0, 3.2  # ATen's at every tiled count
+    plan = plan_from_timings(timings)
+    assert (plan.tiled_from, plan.path(16), plan.path(64)) == (16, "tiles", "tiles")
+    assert "brgemm" not in plan.describe()
+    timings[2]["tiles_s"] = 5.0
     for timing in timings:  # not timed (no AMX): ATen's tiles win from 64 alone
         del timing["brgemm_s"]
     assert plan_from_timings(timings).tiled_from == 64

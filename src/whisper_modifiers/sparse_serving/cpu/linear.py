@@ -103,7 +103,7 @@ class CpuSparse24Linear(_CpuCompressedLinear):
         plan = self.plan or self.plan_paths()
         return sparse24_cpu_linear(x, self.compressed, self.bitmask, bias, self.in_features,
                                    plan.tiled_from, plan.gemm_from, plan.lanes_until,
-                                   plan.brgemm_tiles)  # fmt: skip
+                                   plan.brgemm_until)  # fmt: skip
 
 
 class CpuBitmaskLinear(_CpuCompressedLinear):
@@ -145,7 +145,7 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
         plan = self.plan or self.plan_paths()
         return bitmask_cpu_linear(x, self.compressed, self.bitmask, self.row_offsets, bias,
                                   self.in_features, plan.tiled_from, plan.gemm_from,
-                                  plan.brgemm_tiles)  # fmt: skip
+                                  plan.brgemm_until)  # fmt: skip
 
 
 def cpu_serving_refusal(device: torch.device | str, dtype: torch.dtype) -> str | None:

@@ -88,7 +88,7 @@ def _linear():
 def _register_fake() -> None:
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::linear")
     def _(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from, lanes_until=0,
-          brgemm_tiles=False):  # fmt: skip
+          brgemm_until=0):  # fmt: skip
         return x.new_empty(*x.shape[:-1], compressed.shape[0])
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::decompress")
@@ -97,7 +97,7 @@ def _register_fake() -> None:
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_linear")
     def _(x, values, bitmask, row_offsets, bias, in_features, gemm_from, tiled_from,
-          brgemm_tiles=False):  # fmt: skip
+          brgemm_until=0):  # fmt: skip
         return x.new_empty(*x.shape[:-1], bitmask.shape[0])
 
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::bitmask_decompress")
@@ -123,7 +123,7 @@ def set_cpu_isa(name: str) -> None:
 
 
 def brgemm_kernel() -> str:
-    """Where the tiles' oneDNN micro-kernel (``brgemm_tiles``) runs: ``"amx"`` (AMX tiles),
+    """Where the tiles' oneDNN micro-kernel (``brgemm_until``) runs: ``"amx"`` (AMX tiles),
     ``"avx512"`` (its AVX512_BF16 kernel) or ``"none"`` (the tiles call ATen's GEMM)."""
     return "none" if cpu_kernels_unavailable() else _ops().brgemm_kernel()
 
@@ -138,26 +138,26 @@ def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
 def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
                         bias: torch.Tensor | None, in_features: int, tiled_from: int = NO_TILES,
                         gemm_from: int = NO_TILES, lanes_until: int = 0,
-                        brgemm_tiles: bool = False) -> torch.Tensor:  # fmt: skip
+                        brgemm_until: int = 0) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the 2:4 ``W`` stored as ``compressed`` / ``bitmask`` (the op): the
     row kernels below ``gemm_from`` tokens, the GEMM from it (where it runs: ``gemm_runs``;
     the unstructured GEMM below ``lanes_until``, the 2:4 GEMM from it), the tiles from
-    ``tiled_from`` (through oneDNN's micro-kernel where ``brgemm_tiles`` and it runs:
-    ``brgemm_kernel``)."""
+    ``tiled_from`` (through oneDNN's micro-kernel below ``brgemm_until`` tokens, where it
+    runs: ``brgemm_kernel``)."""
     return _linear()(x, compressed, bitmask, bias, in_features, gemm_from, tiled_from,
-                     lanes_until, brgemm_tiles)  # fmt: skip
+                     lanes_until, brgemm_until)  # fmt: skip
 
 
 def bitmask_cpu_linear(x: torch.Tensor, values: torch.Tensor, bitmask: torch.Tensor,
                        row_offsets: torch.Tensor, bias: torch.Tensor | None, in_features: int,
                        tiled_from: int = NO_TILES, gemm_from: int = NO_TILES,
-                       brgemm_tiles: bool = False) -> torch.Tensor:  # fmt: skip
+                       brgemm_until: int = 0) -> torch.Tensor:  # fmt: skip
     """``x Wᵀ + bias`` for the unstructured ``W`` stored as ``values`` / ``bitmask`` /
     ``row_offsets`` (``format.bitmask``): the row kernels below ``gemm_from`` tokens, the
     unstructured GEMM from it (where it runs: ``gemm_runs``), the tiles from ``tiled_from``
     (as ``sparse24_cpu_linear``'s)."""
     return _ops().bitmask_linear(x, values, bitmask, row_offsets, bias, in_features, gemm_from,
-                                 tiled_from, brgemm_tiles)  # fmt: skip
+                                 tiled_from, brgemm_until)  # fmt: skip
 
 
 def bitmask_decompress_cpu(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor,

@@ -10,7 +10,7 @@ weight: its row kernels, its GEMM (2:4 or unstructured; ``gemm_runs``: bfloat16 
 "lanes") and its tiles (ATen's GEMM on expanded tiles; where oneDNN's micro-kernel runs on
 AMX tiles, ``brgemm_kernel`` "amx", also its blocks through it, "brgemm"). The plan runs each
 token count on the path that won there (``gemm_from``, ``lanes_until``, ``tiled_from``, and
-``brgemm_tiles`` where the micro-kernel's tiles beat ATen's; the tiles, which stand for
+``brgemm_until``, below which the micro-kernel's tiles beat ATen's; the tiles, which stand for
 oneDNN and so for AMX where the CPU has it, must win by ``TILES_MARGIN``), and says whether
 the op beat dense at one token (``faster_at_decode``:
 where it lost, the ``auto`` kernel mode serves the layer dense, decompressed). The paths
@@ -66,28 +66,28 @@ __all__ = [
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256, 512)
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
 PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
-# (tiled_from, gemm_from, lanes_until, brgemm_tiles) of the op that takes each path at every
+# (tiled_from, gemm_from, lanes_until, brgemm_until) of the op that takes each path at every
 # token count: sparse24_cpu_linear's order; bitmask_cpu_linear takes bitmask_thresholds'
 PATH_THRESHOLDS = {"rows": (NO_TILES, NO_TILES, 0, False), "gemm": (NO_TILES, 0, 0, False),
                    "lanes": (NO_TILES, 0, NO_TILES, False), "tiles": (0, NO_TILES, 0, False),
-                   "brgemm": (0, NO_TILES, 0, True)}  # fmt: skip
+                   "brgemm": (0, NO_TILES, 0, NO_TILES)}  # fmt: skip
 
 
 def bitmask_thresholds(thresholds: tuple) -> tuple:
     """A ``PATH_THRESHOLDS`` entry in ``bitmask_cpu_linear``'s order (no lanes)."""
-    tiled_from, gemm_from, _, brgemm_tiles = thresholds
-    return tiled_from, gemm_from, brgemm_tiles
+    tiled_from, gemm_from, _, brgemm_until = thresholds
+    return tiled_from, gemm_from, brgemm_until
 
 
 @dataclass(frozen=True)
 class CpuPlan:
     """The op's path by token count: the row kernels below ``gemm_from``, the GEMM
     from it (a 2:4 layer's: the unstructured GEMM, "lanes", below ``lanes_until``), the
-    tiles from ``tiled_from`` (``NO_TILES``: never; through oneDNN's micro-kernel where
-    ``brgemm_tiles``); ``faster_at_decode``: whether the op
+    tiles from ``tiled_from`` (``NO_TILES``: never; through oneDNN's micro-kernel below
+    ``brgemm_until``); ``faster_at_decode``: whether the op
     beat dense at one token; ``speedups``: dense time / op time at each measured token
     count, as ``(tokens, ratio)`` pairs (for the log)."""
 
@@ -96,12 +96,12 @@ class CpuPlan:
     gemm_from: int = NO_TILES
     speedups: tuple = ()
     lanes_until: int = 0
-    brgemm_tiles: bool = False
+    brgemm_until: int = 0
 
     def path(self, tokens: int) -> str:
         """The path the op takes for ``tokens`` tokens under this plan."""
         if tokens >= self.tiled_from:
-            return "brgemm" if self.brgemm_tiles else "tiles"
+            return "brgemm" if tokens < self.brgemm_until else "tiles"
         if tokens >= self.gemm_from:
             return "lanes" if tokens < self.lanes_until else "gemm"
         return "rows"
@@ -110,11 +110,13 @@ class CpuPlan:
         """One line: the path of each token range and the speed against dense."""
         gemm_from = min(self.gemm_from, self.tiled_from)
         lanes_until = min(max(self.lanes_until, gemm_from), self.tiled_from)
+        brgemm_until = max(self.brgemm_until, self.tiled_from)
         bounds = (
             ("rows", 1, gemm_from),
             ("lanes", gemm_from, lanes_until),
             ("gemm", lanes_until, self.tiled_from),
-            ("brgemm tiles" if self.brgemm_tiles else "tiles", self.tiled_from, None),
+            ("brgemm tiles", self.tiled_from, brgemm_until),
+            ("tiles", brgemm_until, None),
         )
         ranges = [f"{path} from {start}" for path, start, end in bounds
                   if start < NO_TILES and (end is None or start < end)]  # fmt: skip
@@ -240,16 +242,17 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
     ``TILES_MARGIN`` of the row kernels' and the GEMMs' time; below that, a 2:4 layer's
     unstructured GEMM ("lanes") until the lowest count from which the 2:4 GEMM was never
     slower than it; the GEMM so chosen from the lowest count below the tiles from which it
-    was never slower than the row kernels; the op, on its chosen path, against dense. The
-    tiles are the micro-kernel's ("brgemm", where timed) if they took less time in all than
-    ATen's over the tiles' counts, and each count weighs the faster of the two."""
+    was never slower than the row kernels; the op, on its chosen path, against dense. Each
+    count weighs the faster tiles, the micro-kernel's ("brgemm", where timed) or ATen's, and
+    the tiles are ATen's from the lowest of their counts from which ATen's were never slower
+    (``brgemm_until``; on an AMX Xeon's host the micro-kernel won at 16 tokens, by 2.6x on
+    4096 x 11008, and ATen's at 512, by 1.8x)."""
     faster_tiles = [t | {"tiles_s": min(t["tiles_s"], t["brgemm_s"])}
                     if t.get("brgemm_s") is not None else t for t in timings]  # fmt: skip
     tiled_from = _first_of_winning_run(faster_tiles, "tiles", ["rows", "gemm", "lanes"],
                                        TILES_MARGIN)  # fmt: skip
     tiled = [t for t in timings if t["tokens"] >= tiled_from and t.get("brgemm_s") is not None]
-    brgemm_tiles = bool(tiled) and (sum(t["brgemm_s"] for t in tiled)
-                                    < sum(t["tiles_s"] for t in tiled))  # fmt: skip
+    brgemm_until = _first_of_winning_run(tiled, "tiles", ["brgemm"]) if tiled else 0
     below = [timing for timing in timings if timing["tokens"] < tiled_from]
     lanes_until = 0
     if below and any(timing.get("lanes_s") is not None for timing in below):
@@ -257,11 +260,11 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
     chosen = [timing | {"gemm_s": timing["lanes_s"]} if timing["tokens"] < lanes_until
               else timing for timing in below]  # fmt: skip
     gemm_from = _first_of_winning_run(chosen, "gemm", ["rows"]) if below else NO_TILES
-    paths = CpuPlan(tiled_from, False, gemm_from, (), lanes_until, brgemm_tiles)
+    paths = CpuPlan(tiled_from, False, gemm_from, (), lanes_until, brgemm_until)
     speedups = tuple((t["tokens"], t["dense_s"] / t[f"{paths.path(t['tokens'])}_s"])
                      for t in timings)  # fmt: skip
     return CpuPlan(tiled_from, speedups[0][1] >= 1.0, gemm_from, speedups, lanes_until,
-                   brgemm_tiles)  # fmt: skip
+                   brgemm_until)  # fmt: skip
 
 
 _lock = threading.Lock()

@@ -82,7 +82,7 @@ class SparseLinearMethod(UnquantizedLinearMethod):
             self._note(kernel_mode(), {"cpu_gemm_from": plan.gemm_from,
                                        "cpu_lanes_until": plan.lanes_until,
                                        "cpu_tiled_from": plan.tiled_from,
-                                       "cpu_brgemm_tiles": plan.brgemm_tiles})  # fmt: skip
+                                       "cpu_brgemm_until": plan.brgemm_until})  # fmt: skip
             dtype = str(kernel.compressed.dtype).removeprefix("torch.")
             logger.info_once(f"{kernel.layout} CPU op, [{rows} x {columns}] {dtype} layers"
                              f"{self._density(kernel)}: {plan.describe()}")  # fmt: skip

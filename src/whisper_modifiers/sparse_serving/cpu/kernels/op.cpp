@@ -1,7 +1,7 @@
 // The torch ops over the kernels of sparse_kernels.h; their dispatch by CPU flags is op_isa.cpp.
 //
 //   whisper_sparse_cpu::linear(x, compressed, bitmask, bias, in_features, gemm_from,
-//                                tiled_from, lanes_until=0, brgemm_tiles=False)
+//                                tiled_from, lanes_until=0, brgemm_until=0)
 //       y = x W^T (+ bias) for a 2:4 W as stored, by one of three paths chosen by the number of
 //       tokens M (the thresholds come from cpu_plans' measurements):
 //       * M < gemm_from (decode): the row kernels expand the kept values in registers;
@@ -12,12 +12,12 @@
 //         threads by op_gemm.cpp; elsewhere the row kernels;
 //       * M >= tiled_from: cache-sized tiles of W are expanded into a buffer and multiplied by
 //         ATen's dense GEMM (oneDNN; AMX where the CPU has it), each thread its own tiles, in
-//         bfloat16 where the kernels are avx512_bf16, else in float32 (tile_dtype); with
-//         brgemm_tiles, bfloat16 blocks through oneDNN's micro-kernel (op_brgemm.cpp) where
-//         it runs.
+//         bfloat16 where the kernels are avx512_bf16, else in float32 (tile_dtype); below
+//         brgemm_until tokens, bfloat16 blocks through oneDNN's micro-kernel (op_brgemm.cpp)
+//         where it runs.
 //       The dense weight is never held whole.
 //   whisper_sparse_cpu::bitmask_linear(x, values, bitmask, row_offsets, bias, in_features,
-//                                        gemm_from, tiled_from, brgemm_tiles=False)
+//                                        gemm_from, tiled_from, brgemm_until=0)
 //       the same for an unstructured W (bitmask_format's layout): the row kernels (their
 //       pointers advancing by each mask's popcount) below gemm_from, the unstructured GEMM
 //       (avx512_bf16_bitmask_gemm.cpp; bfloat16 on avx512_bf16 kernels) from it, the tiles
@@ -26,7 +26,7 @@
 //   bitmask_decompress(values, bitmask, row_offsets, in_features): the dense W (tests).
 //   whisper_sparse_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
 //       "avx512", "avx2" or "none"), and a cap below them ("auto" undoes it).
-//   whisper_sparse_cpu::brgemm_kernel(): where brgemm_tiles run oneDNN's micro-kernel
+//   whisper_sparse_cpu::brgemm_kernel(): where the brgemm tiles run oneDNN's micro-kernel
 //       ("amx", "avx512" or "none"; op_brgemm.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -150,17 +150,18 @@ at::Tensor shaped_as(const at::Tensor& y, const at::Tensor& x, int64_t rows) {
 }
 
 // y = x W^T (+ bias) on the path of x's number of tokens: the tiles from tiled_from (oneDNN's
-// micro-kernel's where brgemm_tiles), the GEMM from gemm_from (where it runs; a 2:4 layer's in
+// micro-kernel's below brgemm_until), the GEMM from gemm_from (where it runs; a 2:4 layer's in
 // the unstructured GEMM below lanes_until), the row kernels below; offsets: an unstructured
 // layer's.
 at::Tensor path_linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
                        const int64_t* offsets, const c10::optional<at::Tensor>& bias,
                        int64_t in_features, int64_t gemm_from, int64_t tiled_from,
-                       int64_t lanes_until, bool brgemm_tiles) {
+                       int64_t lanes_until, int64_t brgemm_until) {
   const at::Tensor x2 = rows_of(x, in_features);
   at::Tensor y;
   if (x2.size(0) >= tiled_from) {
-    y = tiled_linear(x2, compressed, bitmask, offsets, bias, in_features, brgemm_tiles);
+    y = tiled_linear(x2, compressed, bitmask, offsets, bias, in_features,
+                     x2.size(0) < brgemm_until);
   } else if (x2.size(0) >= gemm_from && gemm_runs(x2, compressed)) {
     y = gemm_linear(x2, compressed, bitmask, offsets, bias, in_features,
                     x2.size(0) < lanes_until);
@@ -172,10 +173,10 @@ at::Tensor path_linear(const at::Tensor& x, const at::Tensor& compressed, const 
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::Tensor& bitmask,
                   const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t gemm_from,
-                  int64_t tiled_from, int64_t lanes_until, bool brgemm_tiles) {
+                  int64_t tiled_from, int64_t lanes_until, int64_t brgemm_until) {
   check_layer(compressed, bitmask, in_features);
   return path_linear(x, compressed, bitmask, nullptr, bias, in_features, gemm_from, tiled_from,
-                     lanes_until, brgemm_tiles);
+                     lanes_until, brgemm_until);
 }
 
 // An unstructured layer (bitmask_format): the row kernels below gemm_from tokens, the
@@ -183,10 +184,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& compressed, const at::T
 at::Tensor bitmask_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmask,
                           const at::Tensor& row_offsets, const c10::optional<at::Tensor>& bias,
                           int64_t in_features, int64_t gemm_from, int64_t tiled_from,
-                          bool brgemm_tiles) {
+                          int64_t brgemm_until) {
   check_bitmask_layer(values, bitmask, row_offsets, in_features);
   return path_linear(x, values, bitmask, row_offsets.data_ptr<int64_t>(), bias, in_features,
-                     gemm_from, tiled_from, 0, brgemm_tiles);
+                     gemm_from, tiled_from, 0, brgemm_until);
 }
 
 }  // namespace
@@ -194,10 +195,10 @@ at::Tensor bitmask_linear(const at::Tensor& x, const at::Tensor& values, const a
 
 TORCH_LIBRARY(whisper_sparse_cpu, m) {
   m.def("linear(Tensor x, Tensor compressed, Tensor bitmask, Tensor? bias, int in_features, "
-        "int gemm_from, int tiled_from, int lanes_until=0, bool brgemm_tiles=False) -> Tensor");
+        "int gemm_from, int tiled_from, int lanes_until=0, int brgemm_until=0) -> Tensor");
   m.def("decompress(Tensor compressed, Tensor bitmask, int in_features) -> Tensor");
   m.def("bitmask_linear(Tensor x, Tensor values, Tensor bitmask, Tensor row_offsets, Tensor? bias, "
-        "int in_features, int gemm_from, int tiled_from, bool brgemm_tiles=False) -> Tensor");
+        "int in_features, int gemm_from, int tiled_from, int brgemm_until=0) -> Tensor");
   m.def("bitmask_decompress(Tensor values, Tensor bitmask, Tensor row_offsets, int in_features) "
         "-> Tensor");
   m.def("isa", &whisper_sparse::isa);
