@@ -71,8 +71,8 @@ DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density r
 PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
 # (tiled_from, gemm_from, lanes_until, brgemm_until) of the op that takes each path at every
 # token count: sparse24_cpu_linear's order; bitmask_cpu_linear takes bitmask_thresholds'
-PATH_THRESHOLDS = {"rows": (NO_TILES, NO_TILES, 0, False), "gemm": (NO_TILES, 0, 0, False),
-                   "lanes": (NO_TILES, 0, NO_TILES, False), "tiles": (0, NO_TILES, 0, False),
+PATH_THRESHOLDS = {"rows": (NO_TILES, NO_TILES, 0, 0), "gemm": (NO_TILES, 0, 0, 0),
+                   "lanes": (NO_TILES, 0, NO_TILES, 0), "tiles": (0, NO_TILES, 0, 0),
                    "brgemm": (0, NO_TILES, 0, NO_TILES)}  # fmt: skip
 
 
