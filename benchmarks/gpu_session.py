@@ -12,13 +12,15 @@ Here, before the session's GPU calls (PyPI reachable, ``.venv`` built):
 The pruning-only plan (``--plan prune``; no vLLM carried) is two calls, about 8 minutes
 with the machine's start: the first copies the pruning stack's first half; the second the
 rest, then installs it and runs ``prune-reference`` (the speed table with the reference
-procedure beside our methods, ``speed.py --reference``), ``cuda-tests`` and ``profile`` (a
-profile of Whisper on 16 sequences: torch.profiler's tables of a 128-sequence run took over
-4 minutes to build on an H100), all within one command's 570 seconds (rows are written as
-they come). On an H100 on 2026-11-26 the table took about 5 minutes, the tests 30 seconds.
-A third call, where device time is left, carries nothing and runs ``cpu-op``: the CPU op
-(``cpu_sparse24.py``, 2:4 and 50 % on the 7B shapes) on the GPU machine's own CPU, pinned to
-2 cores (the H200s' hosts are AMX Xeons, the CPU kind no other session has).
+procedure beside our methods, ``speed.py --reference``) and ``cuda-tests``, within one
+command's 570 seconds (rows are written as they come). On an H100 on 2026-11-26 the table
+took about 5 minutes, the tests 30 seconds; on an H200 on 2026-11-27 the table took 6, and a
+profile after the tests ran out of the call's time twice. A third call, with the device
+time left, carries nothing and runs ``cpu-op``, the CPU op (``cpu_sparse24.py``, 2:4 and
+50 % on the 7B shapes at 16 and 512 tokens, where the plan picks between its two kinds of
+tiles) on the GPU machine's own CPU, pinned to 2 cores (the H200s' hosts are AMX Xeons, the
+CPU kind no other session has), then ``profile`` (Whisper on 16 sequences: torch.profiler's
+tables of a 128-sequence run took over 4 minutes to build on an H100).
 
 The GPU machine (torch 2.11 image) has neither llmcompressor nor vLLM and reaches no
 network, and a call carries at most 64 MiB. ``prepare`` therefore writes carry folders:
@@ -71,13 +73,13 @@ def prune_calls() -> list[dict]:
         {"carry": [f"{SESSION}/p0"], "why": "pruning stack, part 1",
          "command": f"mkdir -p {STAGE_ROOT} && cp -r {SESSION}/p0/. {STAGE_ROOT}/"},
         {"carry": [f"{SESSION}/p1"],
-         "why": "pruning stack, part 2; the speed table with the reference, a profile, the "
-                "CUDA-only tests",
+         "why": "pruning stack, part 2; the speed table with the reference, the CUDA-only "
+                "tests",
          "command": f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && "
-                    f"{RUN} install-prune prune-reference cuda-tests profile --out $OUT"},
+                    f"{RUN} install-prune prune-reference cuda-tests --out $OUT"},
         {"carry": [], "why": "the CPU op on this machine's own CPU (an AMX Xeon on the H200s "
-                             "lent so far), 2 cores; where device time is left",
-         "command": f"{RUN} cpu-op --out $OUT"},
+                             "lent so far), 2 cores, then a profile; the device time left",
+         "command": f"{RUN} cpu-op profile --out $OUT"},
     ]  # fmt: skip
 
 
@@ -149,9 +151,10 @@ CAPTURE = ["--layers", "8", "--modes", "sparse", "--capture-sizes", "2048",
            "--workloads", "prefill:32x2048", "decode:1x128", "decode:64x256"]  # fmt: skip
 
 
-# the host CPU's op table: 2:4 and 50 % on the 7B shapes, with the brgemm tiles' column (5.5
-# minutes on the Zen 5 EPYC's 2 cores; 2:4 at 1, 16 and 512 tokens took 3 on an H200's host)
-CPU_OP = ["--shapes", "7B", "--tokens", "1", "16", "64", "512", "--sparsity", "2:4", "0.5",
+# the host CPU's op table: 2:4 and 50 % on the 7B shapes at 16 and 512 tokens, with the brgemm
+# tiles' column (on an H200's host 2:4 at 16 and 512 tokens took about 3 of the 4.4 minutes
+# left after the pruning calls, the kernels' build included; 50 % was cut off)
+CPU_OP = ["--shapes", "7B", "--tokens", "16", "512", "--sparsity", "2:4", "0.5",
           "--repeats", "3"]  # fmt: skip
 
 
