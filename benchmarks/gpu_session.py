@@ -152,8 +152,8 @@ CAPTURE = ["--layers", "8", "--modes", "sparse", "--capture-sizes", "2048",
 
 
 # the host CPU's op table: 2:4 and 50 % on the 7B shapes at 16 and 512 tokens, with the brgemm
-# tiles' column (on an H200's host 2:4 at 16 and 512 tokens took about 3 of the 4.4 minutes
-# left after the pruning calls, the kernels' build included; 50 % was cut off)
+# tiles' column (on an H200's host, in the 4.4 minutes left after the pruning calls, 2:4 at 16
+# and 512 tokens finished, the kernels' build included, and 50 % was cut off)
 CPU_OP = ["--shapes", "7B", "--tokens", "16", "512", "--sparsity", "2:4", "0.5",
           "--repeats", "3"]  # fmt: skip
 

@@ -43,7 +43,6 @@
 namespace whisper_sparse {
 namespace {
 
-
 void check_layer(const at::Tensor& compressed, const at::Tensor& bitmask, int64_t in_features) {
   TORCH_CHECK(active_isa() != kNone, "no 2:4 CPU kernel runs on this CPU");
   TORCH_CHECK(in_features > 0 && in_features % 4 == 0, "in_features must be a positive multiple"
