@@ -281,7 +281,7 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* mask = a.bitmask + n * mask_bytes;
     const char* values = static_cast<const char*>(a.compressed) + n * half_k * kValueBytes<W>;
-    char* out = static_cast<char*>(a.out) + (n - a.n_begin) * K * kValueBytes<W>;
+    char* out = static_cast<char*>(a.out) + a.out_row(n) * kValueBytes<W>;
     if constexpr (W == WeightType::f32) {
       for (int64_t k = 0; k < whole; k += 8)
         _mm256_storeu_ps(reinterpret_cast<float*>(out) + k,

@@ -169,7 +169,7 @@ WS_TARGET void decompress_row(const DecompressArgs& a, int64_t n) {
   const int64_t mask_bytes = (a.K + 7) / 8, whole = a.K & ~int64_t(7);
   const Value* values = static_cast<const Value*>(a.compressed) + a.row_offsets[n];
   const uint8_t* mask = a.bitmask + n * mask_bytes;
-  Value* out = static_cast<Value*>(a.out) + (n - a.n_begin) * a.K;
+  Value* out = static_cast<Value*>(a.out) + a.out_row(n);
   int64_t k = 0;
   if (loads_stay_in_layer(a.row_offsets[n], a.K, a.values_count)) {
     for (; k < whole; k += 8) {

@@ -187,7 +187,7 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
   constexpr int64_t kElement = W == WeightType::f32 ? 4 : 2;
   for (int64_t n = a.n_begin; n < a.n_end; ++n) {
     const uint8_t* mask = a.bitmask + n * mask_bytes;
-    const int64_t row = (n - a.n_begin) * a.K;
+    const int64_t row = a.out_row(n);
     const int64_t start = a.row_offsets != nullptr ? a.row_offsets[n] : n * half_k;
     const int64_t done = a.row_offsets != nullptr ? 0 : decompress_two_four<W>(
         static_cast<const char*>(a.compressed) + start * kElement, mask, a.K,

@@ -81,9 +81,9 @@ inline void store_sum(const RowsArgs& a, int64_t index, int64_t row, float sum) 
   }
 }
 
-// Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride K); an
-// unstructured layer's rows start at row_offsets[n] (as in RowsArgs), values_count values in
-// all (0: unknown, and every load checked).
+// Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride out_stride
+// elements, 0: K); an unstructured layer's rows start at row_offsets[n] (as in RowsArgs),
+// values_count values in all (0: unknown, and every load checked).
 struct DecompressArgs {
   const void* compressed;
   WeightType type;
@@ -94,6 +94,9 @@ struct DecompressArgs {
   int64_t n_end;
   const int64_t* row_offsets = nullptr;
   int64_t values_count = 0;
+  int64_t out_stride = 0;
+  // Where row n starts in out, in elements.
+  int64_t out_row(int64_t n) const { return (n - n_begin) * (out_stride > 0 ? out_stride : K); }
 };
 
 // avx2.cpp: AVX2 + FMA; x float32; a table indexed by each byte of the bitmask (two
