@@ -107,8 +107,8 @@ WS_TARGET inline __m256 expand_eight(const char* values, uint32_t bits, int i) {
   } else {
     const __m256i kept = _mm256_broadcastsi128_si256(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 16 * (i / 2))));
-    return _mm256_castsi256_ps(
-        _mm256_shuffle_epi8(kept, control_at(i % 2 ? kTable.bf16_high : kByteShuffles.widen, offset)));
+    const auto& table = i % 2 ? kTable.bf16_high : kByteShuffles.widen;
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(kept, control_at(table, offset)));
   }
 }
 

@@ -2,9 +2,9 @@
 // (ATen's at::native::cpublas::brgemm, as PyTorch's CPU flash attention and Inductor's CPU GEMM
 // template use it). oneDNN picks AMX tiles where the CPU has them and AVX512_BF16 elsewhere,
 // and asks the OS for the tile state itself. W's rows are expanded a block at a time into a
-// row-major buffer (the A operand: never transposed, never packed; its rows padded apart); x^T is packed into
-// oneDNN's pair-interleaved layout once per call (the B operand, 64 tokens a block); each
-// product's float32 block gets the bias and is rounded once into y.
+// row-major buffer (the A operand: never transposed, never packed; its rows padded apart); x^T
+// is packed into oneDNN's pair-interleaved layout once per call (the B operand, 64 tokens a
+// block); each product's float32 block gets the bias and is rounded once into y.
 #include "op_brgemm.h"
 
 #include <ATen/Parallel.h>
