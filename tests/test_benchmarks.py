@@ -14,6 +14,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import quality  # noqa: E402
+import quality_report  # noqa: E402
 
 
 def test_quality_benchmark_writes_tables_and_plots(tmp_path):
@@ -52,7 +53,7 @@ def test_gamma_auto_table_and_plot(tmp_path):
         )
         assert set(run["gamma"].values()) <= {0.01, 0.1, 0.3, 1.0}
     assert not entry["runs"]["2:4"]["sparsegpt"]["runs"][0]["gamma"]
-    (row,) = quality.baseline_comparisons(entry)
+    (row,) = quality_report.baseline_comparisons(entry)
     baseline = entry["runs"]["2:4"]["sparsegpt"]["perplexity"]
     assert row["baseline"] == "sparsegpt"
     assert row["ratio_to_baseline"] == auto["perplexity"] / baseline
