@@ -60,10 +60,9 @@ namespace {
 constexpr int64_t kFewTokensUpTo = 64;
 constexpr int64_t kFewTokensRows = 24, kFewTokensChunk = 4096;
 constexpr int64_t kManyTokensRows = 48, kManyTokensChunk = 1024;
-// The expanded rows' stride: 64 bytes off a power of two, so that rows fall apart in L1.
-constexpr int64_t row_stride(int64_t chunk) { return chunk + 32; }
 constexpr int64_t kMostRows = std::max(kFewTokensRows, kManyTokensRows);
-constexpr int64_t kMostRowStride = row_stride(std::max(kFewTokensChunk, kManyTokensChunk));
+constexpr int64_t kMostRowStride =
+    expanded_row_stride(std::max(kFewTokensChunk, kManyTokensChunk));
 constexpr int64_t kTokensPerPass = 512;         // at most (a multiple of 32)
 constexpr int64_t kPackedBytes = int64_t(8) << 20;  // packed x of a pass, at most (shared)
 // Rows expanded side by side, their popcount-advanced pointers independent chains: 4 took
@@ -254,7 +253,7 @@ WS_TARGET void store_sums(const GemmArgs& a, const float* sums, int64_t lanes, i
 template <int64_t Chunk>
 WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t rows,
                      int64_t ahead_end, int64_t lanes) {
-  constexpr int64_t stride = row_stride(Chunk);
+  constexpr int64_t stride = expanded_row_stride(Chunk);
   const int64_t padded = (rows + 23) / 24 * 24;  // rows past `rows` stay zeros
   const int64_t chunks = (a.K + Chunk - 1) / Chunk;
   const bool unchecked = loads_stay_in_layer(row_start(a, n + rows - 1), a.K, a.values_count);

@@ -33,17 +33,6 @@ int64_t rows_per_block(int64_t in_features) {
   return in_features * 2 * 32 <= (int64_t(512) << 10) ? 32 : 16;
 }
 
-// The expanded rows' stride (A's leading dimension), in bfloat16 elements: an odd number of
-// cache lines, so that a block's rows fall in different L1 sets. At a stride of a multiple of
-// 4 KiB (in_features 4096 or 14336) the micro-kernel's loads from a block's rows all meet in one
-// set: on the Zen 5 EPYC's AVX512_BF16 micro-kernel, 12288 x 4096 at 16 tokens took 3.7 ms
-// against 5.1 (22016 x 4096: 6.6 against 9.1); 4096 x 11008 (an even number of lines, but not
-// one set) was unchanged.
-int64_t row_stride(int64_t in_features) {
-  const int64_t lines = (in_features * 2 + 63) / 64;
-  return (lines | 1) * 32;
-}
-
 struct AlignedFree {
   void operator()(void* pointer) const { std::free(pointer); }
 };
@@ -143,7 +132,7 @@ at::Tensor brgemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
   const float* bias_values = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({tokens, rows}, x2.options());
   auto* out = static_cast<c10::BFloat16*>(y.data_ptr());
-  const int64_t block_rows = rows_per_block(K), lda = row_stride(K);
+  const int64_t block_rows = rows_per_block(K), lda = expanded_row_stride(K);
   at::parallel_for(0, (rows + block_rows - 1) / block_rows, 1, [&](int64_t first, int64_t last) {
     auto a_operand = aligned_buffer<c10::BFloat16>(block_rows * lda);
     auto sums = aligned_buffer<float>(block_rows * kTokensPerBlock);
