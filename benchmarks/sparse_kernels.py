@@ -28,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, write_json  # noqa: E402
+from common import RESULTS  # noqa: E402
+from pruned_models import prune_24, pruned_llama  # noqa: E402
+from sparse_kernels_report import write_tables  # noqa: E402
 
 SHAPES = {  # (out, in) of each projection as vLLM runs it (qkv and gate_up fused)
     "7B": {
@@ -58,26 +60,6 @@ FORWARDS = [
     "4x4096",
     "8x4096",
 ]
-
-
-def prune_24(weight):
-    """Magnitude 2:4 along the inputs."""
-    import torch
-
-    groups = weight.reshape(-1, 4)
-    keep = torch.zeros_like(groups, dtype=torch.bool)
-    keep.scatter_(1, groups.abs().topk(2, dim=1).indices, True)
-    return (groups * keep).reshape(weight.shape)
-
-
-def prune_unstructured(weight, sparsity: float):
-    """Magnitude pruning of the whole layer: its ``sparsity`` smallest values set to zero."""
-    magnitude = weight.abs().float()
-    count = round(sparsity * weight.numel())
-    if count == 0:
-        return weight.clone()
-    threshold = magnitude.flatten().kthvalue(count).values
-    return weight * (magnitude > threshold)
 
 
 def per_shape(models, tokens, dtype) -> list[dict]:
@@ -118,48 +100,6 @@ def per_shape(models, tokens, dtype) -> list[dict]:
                 )
             torch.cuda.empty_cache()
     return rows
-
-
-LLAMA_SIZES = {  # hidden, intermediate, heads, vocabulary
-    "7b": (4096, 11008, 32, 32000),  # Llama-2-7B
-    "1b": (2048, 5632, 16, 32000),  # TinyLlama-1.1B's layers: CPU runs (12 layers: 1.2 GB bf16)
-    "tiny": (128, 256, 2, 512),  # a stand-in for CPU smoke runs
-}
-
-
-def decoder_linear_names(model) -> list[str]:
-    """The decoder layers' Linear modules (attention and MLP projections), by name."""
-    import torch
-
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and ".layers." in name]  # fmt: skip
-
-
-def pruned_llama(layers: int, dtype, size: str = "7b", device: str = "cuda"):
-    """A Llama decoder of ``layers`` layers shaped as ``LLAMA_SIZES[size]``, random weights,
-    every decoder Linear pruned 2:4 by magnitude (``prune_24``)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, intermediate, heads, vocab = LLAMA_SIZES[size]
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        num_hidden_layers=layers,
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-        dtype=dtype,
-    )
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():
-        for name in decoder_linear_names(model):
-            weight = model.get_submodule(name).weight
-            weight.copy_(prune_24(weight))
-    return model
 
 
 def time_forward(model, batch: int, sequence: int) -> tuple[float, str]:
@@ -242,115 +182,6 @@ def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[
             flush=True,
         )
     return rows
-
-
-def write_tables(out: Path, payload: dict) -> None:
-    lines = [
-        f"# 2:4 sparse GEMMs against dense ({payload['gpu']})",
-        "",
-        f"torch {payload['torch']}, cuSPARSELt {payload['cusparselt']}, {payload['dtype']}. "
-        "Ratios are dense time / other time (above 1 is faster).",
-        "",
-    ]
-    if payload.get("per_shape"):
-        lines += ["## Per shape: dense / always sparse (dense / dispatched)", ""]
-        tokens = sorted({r["tokens"] for r in payload["per_shape"]})
-        lines += [
-            "| model | projection | (out, in) | sparse from | "
-            + " | ".join(str(t) for t in tokens)
-            + " |",
-            "|" + "---|" * (4 + len(tokens)),
-        ]
-        keys = dict.fromkeys((r["model"], r["projection"]) for r in payload["per_shape"])
-        for model, projection in keys:
-            cells = [
-                r
-                for r in payload["per_shape"]
-                if r["model"] == model and r["projection"] == projection
-            ]
-            start = cells[0]["sparse_from"]
-            lines.append(
-                f"| {model} | {projection} | {tuple(cells[0]['shape'])} | "
-                f"{start if start < 1 << 40 else 'never'} | "
-                + " | ".join(f"{c['sparse_ratio']:.2f} ({c['dispatch_ratio']:.2f})" for c in cells)
-                + " |"
-            )
-        lines.append("")
-    if payload.get("end_to_end"):
-        rows = payload["end_to_end"]
-        lines += [
-            f"## End to end: Llama-7B-shaped, {rows[0]['layers']} layers, one forward",
-            "",
-            "| modules | batch × sequence | tokens | dense ms | dispatched | always sparse "
-            "| timing |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            mode = "torch.compile" if r["compiled"] else "eager"
-            lines.append(
-                f"| {mode} | {r['batch']}×{r['sequence']} | {r['tokens']} | {r['dense_ms']:.3f} | "
-                f"{r['dispatch_ratio']:.2f}× | {r['sparse_ratio']:.2f}× | {r['timing']} |"
-            )
-        lines.append("")
-    (out / "sparse_kernels.md").write_text("\n".join(lines) + "\n")
-    write_json(out / "sparse_kernels.json", payload)
-    plot(out, payload)
-
-
-def plot(out: Path, payload: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for model, projection in dict.fromkeys(
-        (r["model"], r["projection"]) for r in payload.get("per_shape", [])
-    ):
-        cells = [
-            r for r in payload["per_shape"] if (r["model"], r["projection"]) == (model, projection)
-        ]
-        axes[0].plot(
-            [c["tokens"] for c in cells],
-            [c["sparse_ratio"] for c in cells],
-            marker=".",
-            label=f"{model} {projection}",
-        )
-    axes[0].set(
-        xscale="log",
-        xlabel="tokens",
-        ylabel="dense time / sparse time",
-        title="cuSPARSELt 2:4, always sparse",
-    )
-    axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].legend(fontsize=6, ncol=2)
-    rows = payload.get("end_to_end", [])
-    if rows:
-        for compiled in sorted({r["compiled"] for r in rows}):
-            part = [r for r in rows if r["compiled"] == compiled]
-            tokens = [r["tokens"] for r in part]
-            mode = "compiled" if compiled else "eager"
-            axes[1].plot(
-                tokens, [r["dispatch_ratio"] for r in part], marker="o", label=f"dispatched, {mode}"
-            )
-            axes[1].plot(
-                tokens,
-                [r["sparse_ratio"] for r in part],
-                marker="x",
-                ls="--",
-                label=f"always sparse, {mode}",
-            )
-        axes[1].axhline(1.0, color="grey", lw=0.8)
-        axes[1].set(
-            xscale="log",
-            xlabel="tokens per forward",
-            ylabel="dense time / 2:4 time",
-            title=f"Llama-7B-shaped forward ({rows[0]['layers']} layers)",
-        )
-        axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(out / "sparse_kernels.png", dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:

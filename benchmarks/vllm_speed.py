@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, check_serving_sparsities, write_json  # noqa: E402
 from cpu_sparse24 import cpu_line  # noqa: E402
-from sparse_kernels import (  # noqa: E402
+from pruned_models import (  # noqa: E402
     LLAMA_SIZES,
     decoder_linear_names,
     prune_unstructured,

@@ -137,10 +137,10 @@ def test_sparse_kernel_benchmark_without_cuda_says_so(capsys, tmp_path, monkeypa
 
 
 def test_sparse_kernel_tables_and_plot_from_a_measured_payload(tmp_path):
-    import sparse_kernels
+    import sparse_kernels_report
 
     payload = json.loads((REPO / "benchmarks" / "results" / "sparse_kernels.json").read_text())
-    sparse_kernels.write_tables(tmp_path, payload)
+    sparse_kernels_report.write_tables(tmp_path, payload)
     table = (tmp_path / "sparse_kernels.md").read_text()
     assert "| 7B | gate_up | (22016, 4096) |" in table
     assert "| torch.compile | 8×4096 | 32768 |" in table

@@ -758,7 +758,7 @@ def test_tensor_parallel_two_gives_the_tokens_of_one(tmp_path, monkeypatch):
     merged part, and it gives the greedy tokens of one rank, log-probabilities within
     float32 rounding."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from sparse_kernels import decoder_linear_names, prune_unstructured, pruned_llama
+    from pruned_models import decoder_linear_names, prune_unstructured, pruned_llama
 
     from conftest import MODEL_DIR
     from whisper_modifiers.sparse_serving.format.layout import write_compressed
