@@ -28,9 +28,10 @@ constexpr int64_t kTokensPerBlock = 64;  // B's width; oneDNN packs 16, 32, 48 o
 // (4096 x 11008 at 16 tokens: 12.1 against 5.7 ms).
 constexpr int64_t kInputsPerProduct = 1024;
 
-// Rows of W per block: 32, or 16 where 32 expanded rows would pass 512 KiB (L2).
+// Rows of W per block: 32, or 16 where 32 expanded rows (at their padded stride) would pass
+// 512 KiB (L2).
 int64_t rows_per_block(int64_t in_features) {
-  return in_features * 2 * 32 <= (int64_t(512) << 10) ? 32 : 16;
+  return expanded_row_stride(in_features) * 2 * 32 <= (int64_t(512) << 10) ? 32 : 16;
 }
 
 struct AlignedFree {
