@@ -212,7 +212,7 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     return results
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
@@ -252,6 +252,11 @@ def main(argv=None) -> int:
         metavar="JSON",
         help="write the table and plot of this JSON again, measuring nothing",
     )
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if min(args.tokens) < 1 or args.repeats < 1 or args.working_set < 1:
         parser.error("--tokens, --repeats and --working-set must be at least 1")

@@ -172,7 +172,7 @@ def main_batch_effect(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m"])
     parser.add_argument("--num-sequences", type=int, default=32)
@@ -217,7 +217,73 @@ def main(argv=None) -> int:
         action="store_true",
         help="time and masks at each --batch-sizes against the first",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def time_pairs(model_name: str, pairs, args) -> tuple[dict, dict, dict]:
+    """Every method of ``pairs`` on ``model_name``, ``args.repeats`` times, each in a fresh
+    process, the order reversed every other round: per method its seconds, peak extra bytes
+    and the set of its runs' ``weights_digest``."""
+    times: dict[str, list[float]] = {}
+    peaks: dict[str, list[int]] = {}
+    digests: dict[str, set[str]] = {}
+    for rep in range(args.repeats):
+        order = [m for pair in pairs for m in pair[:2]]
+        order = list(dict.fromkeys(order if rep % 2 == 0 else order[::-1]))
+        for method in order:
+            seconds, peak, digest = run_one(model_name, method, args)
+            times.setdefault(method, []).append(seconds)
+            peaks.setdefault(method, []).append(peak)
+            digests.setdefault(method, set()).add(digest)
+            print(f"[{model_name}] rep {rep} {method:<24} {seconds:7.2f} s  "
+                  f"peak +{peak / 2**20:7.1f} MiB", flush=True)  # fmt: skip
+    return times, peaks, digests
+
+
+def pair_rows(pairs, times: dict, peaks: dict, digests: dict) -> list[dict]:
+    """Per (baseline, method, target) pair: the medians, their ratios and targets, and
+    whether every run of both gave the same weights."""
+    rows = []
+    for baseline, method, target in pairs:
+        t_ratio = statistics.median(times[method]) / statistics.median(times[baseline])
+        m_ratio = statistics.median(peaks[method]) / max(statistics.median(peaks[baseline]), 1)
+        rows.append({
+            "baseline": baseline, "method": method,
+            "baseline_seconds": statistics.median(times[baseline]),
+            "method_seconds": statistics.median(times[method]),
+            "time_ratio": t_ratio, "time_target": target,
+            "baseline_peak_bytes": statistics.median(peaks[baseline]),
+            "method_peak_bytes": statistics.median(peaks[method]),
+            "memory_ratio": m_ratio, "memory_target": MEMORY_TARGET,
+            "same_weights": len(digests[method] | digests[baseline]) == 1,
+        })  # fmt: skip
+    return rows
+
+
+def model_markdown(model_name: str, rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        f"## {model_name}",
+        "",
+        "| method / baseline | time (s) | time ratio | target | peak extra memory (MiB) "
+        "| memory ratio | target | same weights, every run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} / {r['baseline']} | {r['method_seconds']:.2f} / "
+            f"{r['baseline_seconds']:.2f} | **{r['time_ratio']:.3f}×** | "
+            f"≤ {r['time_target']}× {'✓' if r['time_ratio'] <= r['time_target'] else '✗'} | "
+            f"{r['method_peak_bytes'] / 2**20:.0f} / {r['baseline_peak_bytes'] / 2**20:.0f} | "
+            f"**{r['memory_ratio']:.3f}×** | ≤ {MEMORY_TARGET}× "
+            f"{'✓' if r['memory_ratio'] <= MEMORY_TARGET else '✗'} | "
+            f"{'yes' if r['same_weights'] else 'no'} |"
+        )
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.batch_effect:
         quiet_logs()
         args.out.mkdir(parents=True, exist_ok=True)
@@ -239,52 +305,10 @@ def main(argv=None) -> int:
         f"median of {args.repeats} alternating runs, each in a fresh process.",
     ]
     for model_name in args.models:
-        times: dict[str, list[float]] = {}
-        peaks: dict[str, list[int]] = {}
-        digests: dict[str, set[str]] = {}  # weights_digest of every run
-        for rep in range(args.repeats):
-            order = [m for pair in pairs for m in pair[:2]]
-            order = list(dict.fromkeys(order if rep % 2 == 0 else order[::-1]))
-            for method in order:
-                seconds, peak, digest = run_one(model_name, method, args)
-                times.setdefault(method, []).append(seconds)
-                peaks.setdefault(method, []).append(peak)
-                digests.setdefault(method, set()).add(digest)
-                print(f"[{model_name}] rep {rep} {method:<24} {seconds:7.2f} s  "
-                      f"peak +{peak / 2**20:7.1f} MiB", flush=True)  # fmt: skip
-        rows = []
-        for baseline, method, target in pairs:
-            t_ratio = statistics.median(times[method]) / statistics.median(times[baseline])
-            m_ratio = statistics.median(peaks[method]) / max(statistics.median(peaks[baseline]), 1)
-            rows.append({
-                "baseline": baseline, "method": method,
-                "baseline_seconds": statistics.median(times[baseline]),
-                "method_seconds": statistics.median(times[method]),
-                "time_ratio": t_ratio, "time_target": target,
-                "baseline_peak_bytes": statistics.median(peaks[baseline]),
-                "method_peak_bytes": statistics.median(peaks[method]),
-                "memory_ratio": m_ratio, "memory_target": MEMORY_TARGET,
-                "same_weights": len(digests[method] | digests[baseline]) == 1,
-            })  # fmt: skip
+        times, peaks, digests = time_pairs(model_name, pairs, args)
+        rows = pair_rows(pairs, times, peaks, digests)
         report["models"][model_name] = {"times": times, "peaks": peaks, "ratios": rows}
-        lines += [
-            "",
-            f"## {model_name}",
-            "",
-            "| method / baseline | time (s) | time ratio | target | peak extra memory (MiB) "
-            "| memory ratio | target | same weights, every run |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            lines.append(
-                f"| {r['method']} / {r['baseline']} | {r['method_seconds']:.2f} / "
-                f"{r['baseline_seconds']:.2f} | **{r['time_ratio']:.3f}×** | "
-                f"≤ {r['time_target']}× {'✓' if r['time_ratio'] <= r['time_target'] else '✗'} | "
-                f"{r['method_peak_bytes'] / 2**20:.0f} / {r['baseline_peak_bytes'] / 2**20:.0f} | "
-                f"**{r['memory_ratio']:.3f}×** | ≤ {MEMORY_TARGET}× "
-                f"{'✓' if r['memory_ratio'] <= MEMORY_TARGET else '✗'} | "
-                f"{'yes' if r['same_weights'] else 'no'} |"
-            )
+        lines += model_markdown(model_name, rows)
     write_json(args.out / "speed.json", report)
     (args.out / "speed.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
