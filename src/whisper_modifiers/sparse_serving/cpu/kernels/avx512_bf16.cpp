@@ -61,8 +61,16 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
     masks[r] = a.bitmask + (n + r) * mask_bytes;
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   }
+  // The rows' lines are asked for once per cache line of kept values: a 2:4 row's pointer
+  // moves 64 bytes every 64 inputs, so asking every 64 inputs meets each line once. An
+  // unstructured row's moves by its popcounts; where its rows keep more than about 40 % of
+  // their inputs it moves past 64 bytes between two such asks often enough to leave lines
+  // unasked for, so there it asks every 32 inputs (at most 64 bytes on: no line skipped).
+  const bool every_step =
+      U &&
+      (R == 1 || (a.row_offsets[n + R - 1] - a.row_offsets[n]) * 64 > 26 * a.K * (R - 1));
   for (int64_t k = 0; k < whole; k += 32) {
-    if ((k & 63) == 0) {  // once per cache line (64 inputs) of kept values, per row
+    if (every_step || (k & 63) == 0) {
       for (int r = 0; r < R; ++r) {
         __builtin_prefetch(values[r] + kPrefetchAhead / 2, 0, 3);
         __builtin_prefetch(values[r] + next_group[r], 0, 3);
