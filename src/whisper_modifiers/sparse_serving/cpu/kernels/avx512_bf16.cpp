@@ -36,6 +36,10 @@ namespace {
 // on their way from memory.
 constexpr int64_t kPrefetchAhead = 1024;
 
+// Kept values per 64 inputs above which an unstructured group of rows asks for its lines every
+// 32 inputs rather than every 64 (26 of 64, about 40 %; rows_block).
+constexpr int64_t kAskEveryStepAbove = 26;
+
 // y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
 // values and bitmask are walked by a pointer of its own. Per 32 inputs, the R rows' kept values
 // are expanded first and multiplied after: on a Zen 5 EPYC (one core, L2-resident weights),
@@ -66,9 +70,11 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
   // unstructured row's moves by its popcounts; where its rows keep more than about 40 % of
   // their inputs it moves past 64 bytes between two such asks often enough to leave lines
   // unasked for, so there it asks every 32 inputs (at most 64 bytes on: no line skipped).
+  // (Asks at a steady pace rather than from the pointer: tried, docs/serving.md, not kept.)
   const bool every_step =
       U &&
-      (R == 1 || (a.row_offsets[n + R - 1] - a.row_offsets[n]) * 64 > 26 * a.K * (R - 1));
+      (R == 1 ||
+       (a.row_offsets[n + R - 1] - a.row_offsets[n]) * 64 > kAskEveryStepAbove * a.K * (R - 1));
   for (int64_t k = 0; k < whole; k += 32) {
     if (every_step || (k & 63) == 0) {
       for (int r = 0; r < R; ++r) {
