@@ -1,15 +1,15 @@
 """What a served model's compressed layers hold for their weights, against the dense bytes.
 
 cuSPARSELt's compressed 16-bit operand (``torch._cslt_compress``) takes 9/16 of the dense
-weight; a layer that also keeps the dense weight (the ``auto`` kernel mode on a GPU, to
-run dense below its plan's crossover) holds 1 + 9/16 of it. The CPU op's layers hold the
+weight; a layer that also keeps the dense weight (the ``auto`` kernel mode on a GPU, to run
+dense below its plan's crossover) holds 1 + 9/16 of it. The CPU op's layers hold the
 checkpoint's ``compressed`` and ``bitmask`` tensors: 9/16 of a bfloat16 weight, 17/32 of a
-float32 one; an unstructured layer's op also its ``row_offsets`` (0.41x a bfloat16 weight at
-65 %). ``sparse_weight_bytes`` walks a model
-(vLLM's, through ``LLM.apply_model``, or one ``gpu.kernels.accelerate`` changed) and counts,
-per compressed layer, every distinct tensor storage it keeps for its weight: the ``weight``
-parameter, the kernel's compressed operand and its dense copy (a tensor shared by two of
-them is counted once).
+float32 one; an unstructured layer's op also its ``row_offsets`` (0.41x a bfloat16 weight
+at 65 %) and, where its rows are spread in memory (``cpu.row_spread``), the gaps between
+them. ``sparse_weight_bytes`` walks a model (vLLM's, through ``LLM.apply_model``, or one
+``gpu.kernels.accelerate`` changed) and counts, per compressed layer, every distinct tensor
+storage it keeps for its weight: the ``weight`` parameter, the kernel's compressed operand
+and its dense copy (a tensor shared by two of them is counted once).
 
 Imports only torch (and this subpackage).
 """

@@ -20,6 +20,7 @@ from whisper_modifiers.sparse_serving.cpu.op import (
     sparse24_cpu_linear,
 )
 from whisper_modifiers.sparse_serving.cpu.plans import CpuPlan, cpu_plan
+from whisper_modifiers.sparse_serving.cpu.row_spread import row_gap, spread_rows
 from whisper_modifiers.sparse_serving.format.bitmask import check_bitmask
 from whisper_modifiers.sparse_serving.format.two_four import check_compressed
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, kernel_mode
@@ -107,9 +108,10 @@ class CpuSparse24Linear(_CpuCompressedLinear):
 
 
 class CpuBitmaskLinear(_CpuCompressedLinear):
-    """An unstructured sparse Linear whose weight is its ``compressed`` values (1-D, row
-    after row), ``bitmask`` and ``row_offsets`` (``format.bitmask``'s layout, also the
-    checkpoint's parameter names); ``values`` is how many values it keeps."""
+    """An unstructured sparse Linear whose weight is its ``compressed`` values (1-D, each
+    row's from its ``row_offsets`` entry on), ``bitmask`` and ``row_offsets``
+    (``format.bitmask``'s layout, also the checkpoint's parameter names; ``from_compressed``
+    may leave unused values between rows); ``values`` is how many values it keeps."""
 
     layout = "unstructured"
 
@@ -117,6 +119,7 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
                  dtype: torch.dtype = torch.float32, device=None,
                  plan: CpuPlan | None = None):  # fmt: skip
         super().__init__(out_features, in_features, bias, dtype, device, plan)
+        self.kept_values = values
         self.compressed = _frozen(torch.empty(values, dtype=dtype, device=device))
         self.bitmask = _frozen(torch.empty(out_features, -(-in_features // 8), dtype=torch.uint8,
                                            device=device))  # fmt: skip
@@ -127,18 +130,22 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
                         row_offsets: torch.Tensor, in_features: int, name: str = "weight",
                         plan: CpuPlan | None = None):  # fmt: skip
         """A module over loaded tensors, after ``check_bitmask`` (the op reads each row's
-        values from its offset, by the bitmask's popcounts)."""
+        values from its offset, by the bitmask's popcounts), its rows spread in memory where
+        they are near a multiple of 4 KiB (``cpu.row_spread``; the module then holds the
+        spread copy, not the checkpoint's layout)."""
         rows = bitmask.shape[0]
         check_bitmask(values, bitmask, row_offsets, (rows, in_features), name)
         module = cls(rows, in_features, values.numel(), dtype=values.dtype, device="meta",
                      plan=plan)  # fmt: skip
+        gap = row_gap(values.numel(), rows, values.element_size())
+        values, row_offsets = spread_rows(values, row_offsets.to(torch.int64), gap)
         module.compressed, module.bitmask = _frozen(values), _frozen(bitmask)
-        module.row_offsets = _frozen(row_offsets.to(torch.int64))
+        module.row_offsets = _frozen(row_offsets)
         module.shape = _frozen(torch.tensor([[rows], [in_features]]))
         return module
 
     def density(self) -> float:
-        return _density(self.compressed.numel(), self.out_features, self.in_features)
+        return _density(self.kept_values, self.out_features, self.in_features)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
