@@ -61,7 +61,7 @@ def row_gap(values: int, rows: int, itemsize: int) -> int:
 
 
 def spread_rows(values: torch.Tensor, row_offsets: torch.Tensor, gap: int,
-                block_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                block_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(values, row_offsets)`` of the same layer with ``gap`` zeros after every row (the
     last included): row ``n`` moves ``n * gap`` values on. ``values`` is 1-D, row after
     row from ``row_offsets`` (int64, rising); rows are copied ``block_rows`` at a time, so
