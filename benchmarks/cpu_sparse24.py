@@ -135,9 +135,11 @@ def vllm_dense_linear():
 def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     """``copies`` random weights of the layout (``2:4``, or unstructured at ``sparsity``),
     their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_until)``
-    of the op on each."""
+    of the op on each (an unstructured layer's rows spread in memory as the vLLM plugin
+    holds them, ``cpu.row_spread``; its bytes the checkpoint's)."""
     from whisper_modifiers.sparse_serving.cpu.op import bitmask_cpu_linear, sparse24_cpu_linear
     from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
+    from whisper_modifiers.sparse_serving.cpu.row_spread import row_gap, spread_rows
     from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
     from whisper_modifiers.sparse_serving.format.two_four import compress_24
 
@@ -150,8 +152,10 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
+    served = [(*spread_rows(v, o, row_gap(v.numel(), rows, v.element_size())), b)
+              for v, b, o in stored]  # fmt: skip
     runs = [lambda x, t, g, lanes, brgemm, v=v, b=b, o=o: bitmask_cpu_linear(
-        x, v, b, o, None, columns, t, g, brgemm) for v, b, o in stored]  # fmt: skip
+        x, v, b, o, None, columns, t, g, brgemm) for v, o, b in served]  # fmt: skip
     values, bitmask, offsets = stored[0]
     size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
     return dense, size, runs
