@@ -139,7 +139,7 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     holds them, ``cpu.row_spread``; its bytes the checkpoint's)."""
     from whisper_modifiers.sparse_serving.cpu.op import bitmask_cpu_linear, sparse24_cpu_linear
     from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
-    from whisper_modifiers.sparse_serving.cpu.row_spread import row_gap, spread_rows
+    from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
     from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
     from whisper_modifiers.sparse_serving.format.two_four import compress_24
 
@@ -152,8 +152,7 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
-    served = [(*spread_rows(v, o, row_gap(v.numel(), rows, v.element_size())), b)
-              for v, b, o in stored]  # fmt: skip
+    served = [(*spread_for_op(v, o), b) for v, b, o in stored]
     runs = [lambda x, t, g, lanes, brgemm, v=v, b=b, o=o: bitmask_cpu_linear(
         x, v, b, o, None, columns, t, g, brgemm) for v, o, b in served]  # fmt: skip
     values, bitmask, offsets = stored[0]

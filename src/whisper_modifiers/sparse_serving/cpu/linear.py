@@ -20,7 +20,7 @@ from whisper_modifiers.sparse_serving.cpu.op import (
     sparse24_cpu_linear,
 )
 from whisper_modifiers.sparse_serving.cpu.plans import CpuPlan, cpu_plan
-from whisper_modifiers.sparse_serving.cpu.row_spread import row_gap, spread_rows
+from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
 from whisper_modifiers.sparse_serving.format.bitmask import check_bitmask
 from whisper_modifiers.sparse_serving.format.two_four import check_compressed
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, kernel_mode
@@ -137,8 +137,7 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
         check_bitmask(values, bitmask, row_offsets, (rows, in_features), name)
         module = cls(rows, in_features, values.numel(), dtype=values.dtype, device="meta",
                      plan=plan)  # fmt: skip
-        gap = row_gap(values.numel(), rows, values.element_size())
-        values, row_offsets = spread_rows(values, row_offsets.to(torch.int64), gap)
+        values, row_offsets = spread_for_op(values, row_offsets.to(torch.int64))
         module.compressed, module.bitmask = _frozen(values), _frozen(bitmask)
         module.row_offsets = _frozen(row_offsets)
         module.shape = _frozen(torch.tensor([[rows], [in_features]]))

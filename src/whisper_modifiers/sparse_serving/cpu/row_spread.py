@@ -32,7 +32,7 @@ import math
 
 import torch
 
-__all__ = ["PAGE_BYTES", "SPREAD_BYTES", "row_gap", "spread_rows"]
+__all__ = ["PAGE_BYTES", "SPREAD_BYTES", "row_gap", "spread_for_op", "spread_rows"]
 
 PAGE_BYTES = 4096
 """The stride at which lines fall into the same L1 sets (64 sets of 64-byte lines)."""
@@ -70,13 +70,20 @@ def spread_rows(values: torch.Tensor, row_offsets: torch.Tensor, gap: int,
         return values, row_offsets
     rows = row_offsets.numel()
     ends = torch.cat([row_offsets[1:], row_offsets.new_tensor([values.numel()])])
-    spread_offsets = row_offsets + gap * torch.arange(rows, dtype=row_offsets.dtype)
     spread = values.new_zeros(values.numel() + gap * rows)
     for first in range(0, rows, block_rows):
         last = min(rows, first + block_rows)
         start, end = int(row_offsets[first]), int(ends[last - 1])
         counts = ends[first:last] - row_offsets[first:last]
-        shift = torch.repeat_interleave(spread_offsets[first:last] - row_offsets[first:last],
-                                        counts)  # fmt: skip
-        spread[torch.arange(start, end) + shift] = values[start:end]
-    return spread, spread_offsets
+        row_of_value = torch.repeat_interleave(torch.arange(first, last), counts)
+        spread[torch.arange(start, end) + gap * row_of_value] = values[start:end]
+    return spread, row_offsets + gap * torch.arange(rows, dtype=row_offsets.dtype)
+
+
+def spread_for_op(
+    values: torch.Tensor, row_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checked layer's ``(values, row_offsets)`` as the op's modules hold them: spread by
+    ``row_gap`` of its rows (unchanged where that is 0)."""
+    gap = row_gap(values.numel(), row_offsets.numel(), values.element_size())
+    return spread_rows(values, row_offsets, gap)
