@@ -196,8 +196,9 @@ def graph_settings(llm) -> dict:
     }
 
 
-def measure(args) -> dict:
-    """Start the engine, run every workload, and return the whole result."""
+def start_engine(args) -> tuple:
+    """The engine for ``args`` (its checkpoint, kernel mode and options), what it holds once
+    loaded (``measure``'s result without its workloads), and the checkpoint's config."""
     os.environ[KERNEL_MODE_VARIABLE] = args.mode  # read as the plugin loads layers
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
@@ -227,7 +228,16 @@ def measure(args) -> dict:
     result["rss_after_load_trimmed"] = resident_bytes()
     if on_gpu:
         result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    for workload in workloads:
+    return llm, result, config
+
+
+def measure(args) -> dict:
+    """Start the engine, run every workload, and return the whole result."""
+    import torch
+
+    llm, result, config = start_engine(args)
+    on_gpu = torch.cuda.is_available()
+    for workload in (Workload.parse(text) for text in args.workloads):
         prompts = prompts_for(workload, config["vocab_size"])
         run_workload(llm, workload, prompts[:2])  # warm-up
         seconds = [run_workload(llm, workload, prompts) for _ in range(args.repeats)]

@@ -52,11 +52,19 @@ def with_ratios(results: dict) -> None:
         for workload, cell in result.get("workloads", {}).items():
             base = dense.get("workloads", {}).get(workload)
             cell["ratio"] = cell["tokens_per_s"] / base["tokens_per_s"] if base else None
-        dense_bytes = result.get("weights", {}).get("dense_bytes")
-        for field, saved in zip(RSS_FIELDS, ("rss_saved", "rss_saved_trimmed"), strict=True):
-            result[saved] = ((dense[field] - result[field]) / dense_bytes
-                             if dense.get(field) and result.get(field) and dense_bytes
-                             else None)  # fmt: skip
+        result.update(rss_saved(dense, result))
+
+
+def rss_saved(dense: dict, result: dict) -> dict:
+    """``rss_saved`` and ``rss_saved_trimmed``: dense's resident memory after load less this
+    engine's, over the dense bytes of its compressed layers' weights (None where unknown)."""
+    dense_bytes = result.get("weights", {}).get("dense_bytes")
+    return {
+        saved: (dense[field] - result[field]) / dense_bytes
+        if dense.get(field) and result.get(field) and dense_bytes
+        else None
+        for field, saved in zip(RSS_FIELDS, ("rss_saved", "rss_saved_trimmed"), strict=True)
+    }
 
 
 def write_report(out: Path, payload: dict) -> str:

@@ -1,0 +1,126 @@
+"""benchmarks/vllm_paired.py: engines held open and timed in turn, ratios round by round."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+GIB = 2**30
+
+
+def loaded(rss_gib: float, ratio: float | None = None, dense_bytes: int = GIB) -> dict:
+    return {"weights": {"ratio": ratio, "dense_bytes": dense_bytes},
+            "rss_after_load": rss_gib * GIB, "rss_after_load_trimmed": rss_gib * GIB}  # fmt: skip
+
+
+def test_engines_run_in_mirrored_order_and_each_ratio_is_of_one_round(tmp_path, monkeypatch):
+    """Every round times dense, 50 %, 65 %, then 65 %, 50 %, dense; an engine's rate in a
+    round is its two runs' tokens over their seconds, its ratio that over dense's in the same
+    round (a slow round slows both and keeps the ratio), and the report gives the median,
+    lowest and highest ratio, with resident memory saved over the dense weight bytes."""
+    import vllm_paired
+
+    order = []
+    # seconds per run of 64 tokens: round 2 is a slow phase for every engine
+    seconds = {"dense": [[4.0, 4.0], [8.0, 8.0], [4.0, 4.0]],
+               "50%": [[2.0, 3.0], [5.0, 5.0], [2.5, 2.5]],
+               "65%": [[2.0, 2.0], [4.0, 4.0], [1.0, 3.0]]}  # fmt: skip
+    memory = {"dense": loaded(4.0), "50%": loaded(3.5, 0.56), "65%": loaded(3.4, 0.41)}
+
+    class FakeEngine:
+        def __init__(self, command, label, log, timeout):
+            assert command[command.index("--label") + 1] == label
+            assert "--enforce-eager" in command
+            # on a GPU the three engines share 0.85 of its memory
+            assert command[command.index("--gpu-memory-utilization") + 1] == "0.283"
+            self.label, self.loaded, self.runs = label, memory[label], 0
+
+        def ask(self, command):
+            verb, workload = command.split()
+            assert workload == "decode:1x64"
+            if verb == "warm":
+                return {"warm": workload}
+            order.append(self.label)
+            round_, run = divmod(self.runs, 2)
+            self.runs += 1
+            return {"seconds": seconds[self.label][round_][run]}
+
+        def close(self):
+            return {"rss_peak": 1}
+
+    monkeypatch.setattr(vllm_paired, "HeldEngine", FakeEngine)
+    argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--rounds", "3",
+            "--settle", "0", "--enforce-eager", "--python", sys.executable,
+            "--out", str(tmp_path), "--name", "paired"]  # fmt: skip
+    assert vllm_paired.main(argv) == 0
+    assert order == ["dense", "50%", "65%", "65%", "50%", "dense"] * 3
+    results = json.loads((tmp_path / "paired.json").read_text())["results"]
+    assert results["dense"]["workloads"]["decode:1x64"]["rounds"] == [16.0, 8.0, 16.0]
+    half = results["50%"]["workloads"]["decode:1x64"]
+    assert half["rounds"] == [25.6, 12.8, 25.6]
+    assert half["ratios"] == [1.6, 1.6, 1.6] and half["ratio"] == 1.6
+    most = results["65%"]["workloads"]["decode:1x64"]
+    assert most["ratios"] == [2.0, 2.0, 2.0] and most["lowest"] == most["highest"] == 2.0
+    assert results["50%"]["rss_saved"] == 0.5
+    assert results["65%"]["rss_saved_trimmed"] == pytest.approx(0.6)
+    table = (tmp_path / "paired.md").read_text()
+    assert "| 50% | 0.56× | 3.50 | 0.50× | 0.50× | 25.6 | **1.60×** (1.60–1.60) |" in table
+    assert "| 2 | 8.0 | 1.60× | 2.00× |" in table
+
+
+def test_a_failing_engine_stops_the_run_naming_it_with_its_last_lines(tmp_path, capsys):
+    """An engine that cannot start (here: no vLLM, or no checkpoint, in this Python) ends
+    the run with an error naming the engine, how it ended and its output's last lines, and
+    the report says the run stopped."""
+    import vllm_paired
+
+    argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--sparsity", "0.5",
+            "--rounds", "1", "--python", sys.executable, "--out", str(tmp_path),
+            "--timeout", "120"]  # fmt: skip
+    assert vllm_paired.main(argv) == 1
+    error = capsys.readouterr().err
+    assert "the dense engine gave no answer (exit 1)" in error and "Error" in error
+    assert "**Stopped:** the dense engine gave no answer" in (
+        tmp_path / "vllm_paired.md").read_text()  # fmt: skip
+
+
+def test_the_held_engine_answers_each_command_with_one_line(monkeypatch):
+    """Loaded, it writes what it holds; ``warm`` runs two prompts untimed, ``time`` the
+    whole workload; at the end of its input, its peak resident memory."""
+    import vllm_held_engine
+    from vllm_engine import parse_args as engine_options
+
+    calls = []
+    monkeypatch.setattr(
+        vllm_held_engine,
+        "start_engine",
+        lambda args: ("llm", {"label": args.label}, {"vocab_size": 50}),
+    )
+    monkeypatch.setattr(
+        vllm_held_engine,
+        "run_workload",
+        lambda llm, workload, prompts: calls.append(len(prompts)) or 0.5,
+    )
+    control = io.StringIO()
+    args = engine_options(["ckpt", "--label", "50%", "--workloads", "decode:3x8"])
+    vllm_held_engine.serve(args, control, ["warm decode:3x8\n", "time decode:3x8\n"])
+    answers = [json.loads(line) for line in control.getvalue().splitlines()]
+    assert answers[0] == {"label": "50%"} and answers[1] == {"warm": "decode:3x8"}
+    assert answers[2] == {"workload": "decode:3x8", "seconds": 0.5, "tokens_per_s": 48.0}
+    assert set(answers[3]) == {"rss_peak"} and calls == [2, 3]
+
+
+@pytest.mark.parametrize("bad", [["--rounds", "0"], ["--settle", "-1"], ["--timeout", "0"]])
+def test_bad_options_are_refused_before_any_work(bad, capsys):
+    import vllm_paired
+
+    with pytest.raises(SystemExit):
+        vllm_paired.parse_args(bad)
+    assert "--rounds" in capsys.readouterr().err
