@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from test_cpu_kernels import BITMASK_PATHS, integer_sparse, isa  # noqa: F401 (isa: a fixture)
 from whisper_modifiers.sparse_serving.cpu import op as kernels
 from whisper_modifiers.sparse_serving.cpu.plans import PATH_THRESHOLDS, bitmask_thresholds
 from whisper_modifiers.sparse_serving.cpu.row_spread import (
@@ -17,12 +18,6 @@ from whisper_modifiers.sparse_serving.cpu.row_spread import (
     spread_rows,
 )
 from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
-
-
-def integer_sparse(rows: int, columns: int, sparsity: float, dtype, generator) -> torch.Tensor:
-    weight = torch.randint(-3, 4, (rows, columns), generator=generator).float()
-    weight[torch.rand(rows, columns, generator=generator) < sparsity] = 0
-    return weight.to(dtype)
 
 
 @pytest.mark.parametrize(
@@ -72,20 +67,13 @@ def test_spread_rows_keeps_every_value_at_its_row(gap):
 
 needs_kernels = pytest.mark.skipif(kernels.cpu_kernels_unavailable() is not None,
                                    reason="the CPU op does not run here")  # fmt: skip
-BITMASK_PATHS = [path for path in PATH_THRESHOLDS if path != "lanes"]
-
-
-@pytest.fixture(params=kernels.supported_isas())
-def isa(request):
-    kernels.set_cpu_isa(request.param)
-    yield request.param
-    kernels.set_cpu_isa("auto")
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", BITMASK_PATHS)
-def test_the_op_reads_spread_rows_exactly(isa, dtype, path):
+@pytest.mark.usefixtures("isa")  # every instruction set this CPU runs
+def test_the_op_reads_spread_rows_exactly(dtype, path):
     """On every instruction set and path, a spread layer's outputs are the unspread one's,
     bit for bit (integer values: both the float64 reference rounded once), and its
     decompression is the weight."""
