@@ -13,7 +13,8 @@ with the measured plan's choice, as served, and each of its paths: row kernels u
 unstructured one over their rows, "lanes"), the tiles). Distinct copies of the
 weights are cycled (at least ``--working-set`` MiB of each) so that no call finds its
 weight in cache: decode reads every weight from memory, as in a served model. The sides
-alternate, one pass each per round, and every time is the median over ``--repeats``
+alternate, one pass each per round, in orders that give every side every place and every
+predecessor alike (``common.balanced_orders``), and every time is the median over ``--repeats``
 rounds (this machine is shared: a side measured alone would take its noise); ratios are
 dense time / op time (above 1: the op is faster). Run with the serving environment's
 Python (``.venv-serve/bin/python``), the table also has vLLM's own dense CPU GEMM as the
@@ -43,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, check_serving_sparsities, write_json  # noqa: E402
+from common import RESULTS, balanced_orders, check_serving_sparsities, write_json  # noqa: E402
 from cpu_op_tables import write_results  # noqa: E402
 
 SHAPES = {  # (out, in) of each projection as vLLM runs it
@@ -101,17 +102,19 @@ def run_again_with_dense_caps(argv: list[str]) -> None:
 
 def alternating_medians(sides: dict[str, list], repeats: int) -> dict[str, float]:
     """Per side, the median over ``repeats`` rounds of the time per call; each round runs
-    one pass of every side (each call with its own weight copy), the sides in turn."""
+    one pass of every side (each call with its own weight copy), the sides in turn, in the
+    round's order of ``balanced_orders``."""
     for calls in sides.values():  # warm-up: pages touched, kernels built, plans made
         for call in calls:
             call()
     times = {label: [] for label in sides}
-    for _ in range(repeats):
-        for label, calls in sides.items():
+    orders = balanced_orders(list(sides))
+    for round_ in range(repeats):
+        for label in orders[round_ % len(orders)]:
             start = time.perf_counter()
-            for call in calls:
+            for call in sides[label]:
                 call()
-            times[label].append((time.perf_counter() - start) / len(calls))
+            times[label].append((time.perf_counter() - start) / len(sides[label]))
     return {label: statistics.median(values) for label, values in times.items()}
 
 

@@ -35,8 +35,6 @@ from common import (  # noqa: E402
     model_specs,
     on_evaluation_device,
     quiet_logs,
-    run_key,
-    run_variants,
     spec_perplexity,
     write_json,
 )
@@ -46,6 +44,7 @@ from quality_report import (  # noqa: E402
     plot_baseline_ratios,
     plot_gamma_per_layer,
 )
+from variant_runs import run_key, run_variants  # noqa: E402
 
 SWEEP = ["0.5", "0.55", "0.6", "0.65", "0.7", "0.75"]
 GAMMA_AUTO = ["sparsegpt", "whisper", "whisper:gamma=auto", "wanda", "wisp", "wisp:gamma=auto",

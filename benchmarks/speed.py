@@ -52,12 +52,12 @@ from common import (  # noqa: E402
     calibration_set,
     load,
     model_specs,
-    parse_variant,
     prune,
     quiet_logs,
     write_json,
 )
 from speed_random import LAYER_TARGETS, main_random  # noqa: E402
+from variant_runs import parse_variant  # noqa: E402
 
 from whisper_modifiers.modifiers import PIPELINE_NAME as PIPELINE  # noqa: E402
 

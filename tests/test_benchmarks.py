@@ -76,7 +76,7 @@ def test_gamma_auto_table_and_plot(tmp_path):
 
 
 def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
-    import common
+    import variant_runs
 
     cache = tmp_path / "runs.json"
     argv = ["--models", "stories260K", "--seeds", "2", "--num-sequences", "4", "--seq-len", "64",
@@ -94,7 +94,7 @@ def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
     def no_pruning(*args, **kwargs):
         raise AssertionError("a cached run was pruned again")
 
-    monkeypatch.setattr(common, "prune", no_pruning)
+    monkeypatch.setattr(variant_runs, "prune", no_pruning)
     monkeypatch.setattr(quality, "spec_perplexity", no_pruning)  # the dense run is cached too
     assert quality.main([*argv, "--methods", "wisp:num_permutations=1"]) == 0  # resumes
     again = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
@@ -560,3 +560,23 @@ def test_speed_benchmark_with_the_reference_and_a_profile(tmp_path):
     table = (tmp_path / "speed_random.md").read_text()
     assert "| reference sparsegpt | reference | cpu | 1 |" in table
     assert "aten::" in (tmp_path / "profile_wisp.md").read_text()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7])
+def test_balanced_orders_give_every_side_every_place_and_every_predecessor(count):
+    """Over one cycle of the orders each side is timed once a round, takes each place in the
+    round equally often, and directly follows each other side equally often."""
+    from collections import Counter
+
+    from common import balanced_orders
+
+    labels = [f"side{index}" for index in range(count)]
+    orders = balanced_orders(labels)
+    assert len(orders) == (count if count % 2 == 0 else 2 * count)
+    assert all(sorted(order) == labels for order in orders)
+    places = Counter((label, order.index(label)) for order in orders for label in order)
+    assert set(places.values()) == {len(orders) // count}
+    follows = Counter(pair for order in orders for pair in zip(order, order[1:], strict=False))
+    if count > 1:
+        assert len(follows) == count * (count - 1)  # every ordered pair of two sides
+        assert len(set(follows.values())) == 1
