@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,8 @@ GPU_MEMORY = 0.85  # of a GPU's memory, shared by the engines held on it
 
 class HeldEngine:
     """One ``vllm_held_engine.py`` process: ``ask`` sends it a command and returns its JSON
-    answer, or raises ``RuntimeError`` with how it ended and its last lines."""
+    answer, or raises ``WorkerFailed`` (a ``RuntimeError``) with how it ended and its last
+    lines."""
 
     def __init__(self, command: list[str], label: str, log: Path, timeout: float):
         from whisper_modifiers.serving.worker_process import serving_env
@@ -66,18 +66,13 @@ class HeldEngine:
         self.loaded = self.answer()
 
     def answer(self) -> dict:
-        from whisper_modifiers.serving.worker_process import exit_description, last_lines
+        from whisper_modifiers.serving.worker_process import WorkerFailed, control_line, last_lines
 
-        ready, _, _ = select.select([self.control], [], [], self.timeout)
-        line = self.control.readline() if ready else ""
+        line, ending = control_line(self.control, self.process, self.timeout)
         if line:
             return json.loads(line)
-        if not ready:
-            self.process.kill()
-        ending = f"stopped after {self.timeout:.0f} s" if not ready else None
-        ending = ending or exit_description(self.process.wait())
         tail = last_lines(self.log.read_text(errors="replace"))
-        raise RuntimeError(f"the {self.label} engine gave no answer ({ending}):\n{tail}")
+        raise WorkerFailed(f"the {self.label} engine gave no answer", ending, tail)
 
     def ask(self, command: str) -> dict:
         try:
@@ -116,8 +111,8 @@ def time_in_turn(engines: dict[str, HeldEngine], args, payload: dict) -> None:
     from tqdm import tqdm
 
     order = list(engines) + list(reversed(engines))
-    for text in args.workloads:
-        name = Workload.parse(text).name
+    for workload in map(Workload.parse, args.workloads):
+        name = workload.name
         runs = payload["runs"].setdefault(name, {label: [] for label in engines})
         for engine in engines.values():
             engine.ask(f"warm {name}")
@@ -126,9 +121,8 @@ def time_in_turn(engines: dict[str, HeldEngine], args, payload: dict) -> None:
             for label in order:
                 time.sleep(args.settle)
                 times[label].append(engines[label].ask(f"time {name}")["seconds"])
-            tokens = Workload.parse(text).counted_tokens
             for label, seconds in times.items():
-                runs[label].append(len(seconds) * tokens / sum(seconds))
+                runs[label].append(len(seconds) * workload.counted_tokens / sum(seconds))
             write_report(args, payload)
 
 

@@ -78,6 +78,7 @@ def test_the_op_reads_spread_rows_exactly(dtype, path):
     bit for bit (integer values: both the float64 reference rounded once), and its
     decompression is the weight."""
     generator = torch.Generator().manual_seed(2)
+    thresholds = bitmask_thresholds(PATH_THRESHOLDS[path])
     for rows, columns, gap in ((7, 37, 5), (33, 100, 64), (17, 4100, 3), (9, 2049, 1)):
         for sparsity in (0.0, 0.5, 0.65, 1.0):
             weight = integer_sparse(rows, columns, sparsity, dtype, generator)
@@ -87,7 +88,6 @@ def test_the_op_reads_spread_rows_exactly(dtype, path):
                                weight)  # fmt: skip
             for tokens in (1, 2, 5, 17, 70):
                 x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(dtype)
-                thresholds = bitmask_thresholds(PATH_THRESHOLDS[path])
                 plain = kernels.bitmask_cpu_linear(x, values, bitmask, row_offsets, None, columns,
                                                    *thresholds)  # fmt: skip
                 got = kernels.bitmask_cpu_linear(x, spread, bitmask, offsets, None, columns,

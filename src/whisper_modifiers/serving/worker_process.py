@@ -23,6 +23,7 @@ __all__ = [
     "SERVING_PYTHON_ENV",
     "ResidentWorker",
     "WorkerFailed",
+    "control_line",
     "exit_description",
     "on_cpu",
     "resident_workers",
@@ -89,6 +90,20 @@ def exit_description(returncode: int) -> str:
     except ValueError:
         name = f"signal {-returncode}"
     return f"killed by {name} (exit {returncode})"
+
+
+def control_line(control, process: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The next line ``process`` writes to its ``control`` pipe within ``timeout`` seconds,
+    and ``""``; or, where none comes, ``""`` and how it ended: killed at the time limit
+    (``stopped after 240 s``) or on its own (``exit_description``)."""
+    ready, _, _ = select.select([control], [], [], timeout)
+    line = control.readline() if ready else ""
+    if line:
+        return line, ""
+    if not ready:
+        process.kill()
+    returncode = process.wait()
+    return "", f"stopped after {timeout:.0f} s" if not ready else exit_description(returncode)
 
 
 def last_lines(*outputs: str | bytes | None, count: int = TAIL_LINES) -> str:
@@ -185,17 +200,12 @@ class ResidentWorker:
             self.process.stdin.flush()
         except BrokenPipeError:
             pass  # it died: read below
-        ready, _, _ = select.select([self.control], [], [], timeout)
-        line = self.control.readline() if ready else None
+        line, ending = control_line(self.control, self.process, timeout)
         output = log.read_text(errors="replace") if log.is_file() else ""
         request_path.unlink(missing_ok=True)
         log.unlink(missing_ok=True)
         if not line:  # killed (a signal, or the time limit): the next request starts anew
-            if not ready:
-                self.process.kill()
-            returncode = self.process.wait()
             self.process = None
-            ending = f"stopped after {timeout:.0f} s" if not ready else exit_description(returncode)
             raise WorkerFailed(failure, ending, last_lines(output))
         for text in output.splitlines():
             if text.startswith(RESULT_PREFIX):
