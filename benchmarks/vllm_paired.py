@@ -7,11 +7,15 @@ side and timed in turn, seconds apart.
 Builds the checkpoints as ``vllm_speed.py`` does (dense, and one compressed per
 ``--sparsity``), starts one engine per checkpoint (``vllm_held_engine.py`` with the serving
 environment's Python, in kernel mode ``--mode``), all resident at once, and times each
-workload on them in turn for ``--rounds`` rounds, each round in mirrored order (dense, 50 %,
-65 %, 65 %, 50 %, dense: each engine's mean place in the order is the same), ``--settle``
-seconds apart (an idle engine's OpenMP threads stop spinning). On a shared host the memory
-speed moves within seconds: ``vllm_speed.py`` starts each engine anew, so its engines run
-minutes apart and may draw different phases; here runs of a round are seconds apart.
+workload on them in turn for ``--rounds`` rounds, ``--settle`` seconds apart (an idle
+engine's OpenMP threads stop spinning). Each round runs one of ``common.balanced_orders``
+and then that order reversed (dense, 50 %, 65 %, 65 %, 50 %, dense in the first round; 50 %,
+65 %, dense, dense, 65 %, 50 % in the next ...): within a round each engine's mean place is
+the same, and over a cycle of rounds each engine starts, ends and follows every other
+engine equally often (a fixed order put identical weights 3-13 % apart by their place at
+the op level). On a shared host the memory speed moves within seconds: ``vllm_speed.py``
+starts each engine anew, so its engines run minutes apart and may draw different phases;
+here runs of a round are seconds apart.
 In each round an engine's rate is its two runs' tokens over their seconds, and its ratio
 that rate over dense's in the same round; the report gives each engine's median rate, and
 the median, lowest and highest of its ratios over the rounds, with every round's values.
@@ -22,6 +26,7 @@ share ``GPU_MEMORY`` of its memory. Writes ``--name``.md and ``--name``.json to 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -32,13 +37,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, check_serving_sparsities, write_json  # noqa: E402
+from common import RESULTS, balanced_orders, check_serving_sparsities, write_json  # noqa: E402
 from cpu_sparse24 import cpu_line  # noqa: E402
 from pruned_models import LLAMA_SIZES  # noqa: E402
 from vllm_engine import Workload, check_workloads  # noqa: E402
 from vllm_paired_report import markdown, summarise  # noqa: E402
 from vllm_speed import build_checkpoints  # noqa: E402
 
+from whisper_modifiers.sparse_serving.heap import release_freed_heap  # noqa: E402
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODES  # noqa: E402
 
 HELD_ENGINE = Path(__file__).with_name("vllm_held_engine.py")
@@ -106,19 +112,20 @@ def engine_command(python: str, checkpoint: Path, label: str, engines: int, args
 
 
 def time_in_turn(engines: dict[str, HeldEngine], args, payload: dict) -> None:
-    """Each workload on every engine, ``args.rounds`` rounds in mirrored order, into
-    ``payload["runs"][workload][label]`` (per round: its two runs' tokens/s)."""
+    """Each workload on every engine, ``args.rounds`` rounds (round r: balanced order r and
+    its reverse), into ``payload["runs"][workload][label]`` (per round: its two runs'
+    tokens/s)."""
     from tqdm import tqdm
 
-    order = list(engines) + list(reversed(engines))
+    orders = [order + order[::-1] for order in balanced_orders(list(engines))]
     for workload in map(Workload.parse, args.workloads):
         name = workload.name
         runs = payload["runs"].setdefault(name, {label: [] for label in engines})
         for engine in engines.values():
             engine.ask(f"warm {name}")
-        for _ in tqdm(range(args.rounds), desc=name, unit="round"):
+        for round_ in tqdm(range(args.rounds), desc=name, unit="round"):
             times = {label: [] for label in engines}
-            for label in order:
+            for label in orders[round_ % len(orders)]:
                 time.sleep(args.settle)
                 times[label].append(engines[label].ask(f"time {name}")["seconds"])
             for label, seconds in times.items():
@@ -138,6 +145,11 @@ def run(args, python: str, payload: dict) -> None:
     with tempfile.TemporaryDirectory() as root:
         paths = build_checkpoints(Path(root), args.shape, args.layers, args.dtype,
                                   args.sparsity)  # fmt: skip
+        # the model the checkpoints came from is gone: its freed heap goes back to the OS
+        # before the engines load (7B-shaped, 4 layers: 1.01 -> 0.53 GiB resident; with 16
+        # layers this process had held 2.9 GiB beside the three engines)
+        gc.collect()
+        release_freed_heap()
         engines: dict[str, HeldEngine] = {}
         try:
             for label, path in paths.items():

@@ -20,11 +20,12 @@ def loaded(rss_gib: float, ratio: float | None = None, dense_bytes: int = GIB) -
             "rss_after_load": rss_gib * GIB, "rss_after_load_trimmed": rss_gib * GIB}  # fmt: skip
 
 
-def test_engines_run_in_mirrored_order_and_each_ratio_is_of_one_round(tmp_path, monkeypatch):
-    """Every round times dense, 50 %, 65 %, then 65 %, 50 %, dense; an engine's rate in a
-    round is its two runs' tokens over their seconds, its ratio that over dense's in the same
-    round (a slow round slows both and keeps the ratio), and the report gives the median,
-    lowest and highest ratio, with resident memory saved over the dense weight bytes."""
+def test_engines_run_in_balanced_mirrored_orders_and_ratios_are_per_round(tmp_path, monkeypatch):
+    """Every round times the engines in one of the balanced orders, then in its reverse (over
+    the rounds each engine takes each place); an engine's rate in a round is its two runs'
+    tokens over their seconds, its ratio that over dense's in the same round (a slow round
+    slows both and keeps the ratio), and the report gives the median, lowest and highest
+    ratio, with resident memory saved over the dense weight bytes."""
     import vllm_paired
 
     order = []
@@ -60,7 +61,9 @@ def test_engines_run_in_mirrored_order_and_each_ratio_is_of_one_round(tmp_path, 
             "--settle", "0", "--enforce-eager", "--python", sys.executable,
             "--out", str(tmp_path), "--name", "paired"]  # fmt: skip
     assert vllm_paired.main(argv) == 0
-    assert order == ["dense", "50%", "65%", "65%", "50%", "dense"] * 3
+    assert order == ["dense", "50%", "65%", "65%", "50%", "dense",
+                     "50%", "65%", "dense", "dense", "65%", "50%",
+                     "65%", "dense", "50%", "50%", "dense", "65%"]  # fmt: skip
     results = json.loads((tmp_path / "paired.json").read_text())["results"]
     assert results["dense"]["workloads"]["decode:1x64"]["rounds"] == [16.0, 8.0, 16.0]
     half = results["50%"]["workloads"]["decode:1x64"]
