@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, check_serving_sparsities  # noqa: E402
-from cpu_sparse24 import cpu_line  # noqa: E402
+from cpu_layers import cpu_line  # noqa: E402
 from pruned_models import (  # noqa: E402
     LLAMA_SIZES,
     decoder_linear_names,

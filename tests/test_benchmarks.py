@@ -228,6 +228,44 @@ def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypatch):
+    """benchmarks/cpu_token_pass.py on a tiny two-layer model: each side's pass calls every
+    layer's projections in model order, each layer with weights of its own; its ratios are
+    per round against dense; its bytes are the layouts'; a table per token count."""
+    import cpu_token_pass
+
+    from whisper_modifiers.sparse_serving.cpu.op import cpu_kernels_unavailable
+
+    if cpu_kernels_unavailable():
+        pytest.skip(cpu_kernels_unavailable())
+    monkeypatch.setattr(cpu_token_pass, "SHAPES", {"7B": {"qkv": (96, 64), "o": (32, 64)}})
+    argv = ["--layers", "2", "--sparsity", "2:4", "0.5", "--tokens", "1", "3", "--dtype",
+            "float32", "--rounds", "3", "--out", str(tmp_path), "--name", "pass"]  # fmt: skip
+    args = cpu_token_pass.parse_args(argv)
+    passes, weight_bytes, baseline = cpu_token_pass.model_sides(args, torch.float32)
+    assert list(passes) == ["dense", "2:4", "50 %"]
+    for layer_pass in passes.values():
+        assert [name for name, _ in layer_pass] == ["qkv", "o", "qkv", "o"]
+        calls = [call for _, call in layer_pass]
+        assert len({id(call) for call in calls}) == 4  # each layer its own weights
+        x = torch.randn(3, 64)
+        assert calls[0](x).shape == (3, 96) and not torch.equal(calls[0](x), calls[2](x))
+    # float32: dense 4 bytes a weight; 2:4 half the values and a bit per input
+    assert weight_bytes["dense"] == 2 * (96 + 32) * 64 * 4
+    assert weight_bytes["2:4"] == 2 * (96 + 32) * (32 * 4 + 8)
+    assert cpu_token_pass.main(argv) == 0
+    payload = json.loads((tmp_path / "pass.json").read_text())
+    assert payload["baseline"] in ("F.linear", "vLLM's dense GEMM (onednn_mm)")
+    assert list(payload["results"]) == ["1", "3"]
+    for sides in payload["results"].values():
+        assert sides["dense"]["ratio"] == 1.0
+        for side in sides.values():
+            assert side["lowest"] <= side["ratio"] <= side["highest"]
+            assert set(side["projections"]) == {"qkv", "o"}
+    table = (tmp_path / "pass.md").read_text()
+    assert "## 3 tokens" in table and "| 50 % | " in table and "qkv ms | o ms |" in table
+
+
 def test_cpu_op_benchmark_times_the_micro_kernels_tiles_where_they_run(tmp_path, monkeypatch):
     """In bfloat16, the table has the tiles through oneDNN's micro-kernel ("brgemm") wherever
     they run (AMX tiles or AVX512_BF16), so an AMX session measures them beside ATen's."""

@@ -1,0 +1,89 @@
+"""What the CPU benchmarks share: the Llama projections they time (``SHAPES``), this CPU's
+line (``cpu_line``), vLLM's dense CPU GEMM as its unquantized layers run it
+(``vllm_dense_linear``), and random layers in each layout as the vLLM plugin holds them
+(``op_layers``). ``cpu_sparse24.py`` times them shape by shape, ``cpu_token_pass.py`` layer
+after layer; the vLLM benchmarks label their CPU by ``cpu_line``. Imports neither loguru nor
+llmcompressor (a GPU machine's image has neither).
+"""
+
+from __future__ import annotations
+
+SHAPES = {  # (out, in) of each projection as vLLM runs it
+    "7B": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
+           "down": (4096, 11008)},
+    "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336)},
+}  # fmt: skip
+
+# cpu_sparse24.py's --isa below this CPU's kernels caps dense alike, as torch and oneDNN run
+# on such a CPU: each reads its cap once, when first used, so the process starts with these
+# set (``cpu_sparse24.main`` runs itself again where they are not). Without AVX512_BF16,
+# torch's bfloat16 F.linear is ATen's own GEMM on AVX2 and oneDNN's emulation on AVX-512.
+DENSE_CAPS = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ATEN_CPU_CAPABILITY": "avx512"},
+}
+
+
+def cpu_line(capped_from: str | None = None) -> str:
+    """This CPU, its threads and the op's kernels; where ``--isa`` capped them below this
+    CPU's own (``capped_from``), how dense was capped alike."""
+    import torch
+
+    from whisper_modifiers.sparse_serving.cpu.cpu_info import CPU_FLAGS, cpu_flag_set, cpu_model
+    from whisper_modifiers.sparse_serving.cpu.op import cpu_isa
+
+    flags = cpu_flag_set()
+    shown = " ".join(flag for flag in (*CPU_FLAGS, "avx512_vbmi2") if flag in flags)
+    line = f"{cpu_model()} ({shown}; {torch.get_num_threads()} threads; op kernels {cpu_isa()}"
+    if capped_from is None:
+        return line + ")"
+    caps = " ".join(f"{name}={value}" for name, value in DENSE_CAPS[cpu_isa()].items())
+    return (f"{line}, capped from {capped_from}; dense capped alike: {caps}, torch's CPU "
+            f"capability {torch.backends.cpu.get_cpu_capability()}: an {cpu_isa()} CPU "
+            "emulated, on this CPU's memory)")  # fmt: skip
+
+
+def vllm_dense_linear():
+    """vLLM's dense CPU GEMM for a weight, as its unquantized layers run it (a oneDNN
+    handle made once per weight, then ``onednn_mm``), or None without vLLM's CPU ops."""
+    try:
+        import vllm._custom_ops as ops
+    except Exception:  # no vLLM here (the pruning environment)
+        return None
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+
+    def linear_for(weight):
+        handle = ops.create_onednn_mm(weight.t(), 32)
+        return lambda x: ops.onednn_mm(handle, x, None)
+
+    return linear_for
+
+
+def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
+    """``copies`` random weights of the layout (``2:4``, or unstructured at ``sparsity``),
+    their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_until)``
+    of the op on each (an unstructured layer's rows spread in memory as the vLLM plugin
+    holds them, ``cpu.row_spread``; its bytes the checkpoint's)."""
+    from whisper_modifiers.sparse_serving.cpu.op import bitmask_cpu_linear, sparse24_cpu_linear
+    from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
+    from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
+    from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+    from whisper_modifiers.sparse_serving.format.two_four import compress_24
+
+    if sparsity == "2:4":
+        dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
+        stored = [compress_24(weight) for weight in dense]
+        runs = [lambda x, t, g, lanes, brgemm, c=c, b=b: sparse24_cpu_linear(
+            x, c, b, None, columns, t, g, lanes, brgemm) for c, b in stored]  # fmt: skip
+        return dense, rows * (columns // 2 * dtype.itemsize + -(-columns // 8)), runs
+    density = 1 - float(sparsity)
+    dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
+    stored = [compress_bitmask(weight) for weight in dense]
+    served = [(*spread_for_op(v, o), b) for v, b, o in stored]
+    runs = [lambda x, t, g, lanes, brgemm, v=v, b=b, o=o: bitmask_cpu_linear(
+        x, v, b, o, None, columns, t, g, brgemm) for v, o, b in served]  # fmt: skip
+    values, bitmask, offsets = stored[0]
+    size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
+    return dense, size, runs
