@@ -6,17 +6,18 @@ against dense: what the op gives a served model's step, between the op-level fig
     python benchmarks/cpu_token_pass.py --layers 2 --tokens 1 4 --dtype float32
 
 A model of ``--layers`` layers shaped as ``cpu_layers.SHAPES[--shapes]`` (each projection as
-vLLM runs it, qkv and gate_up fused), each layer with weights of its own (random, pruned by
-magnitude: ``cpu_layers.op_layers``), so that a pass reads every weight from memory, as a
-served model's step does. A pass calls every layer's projections in turn at ``--tokens``
-tokens. The sides: dense (vLLM's dense CPU GEMM as its unquantized layers run it, where vLLM
-is installed, else ``F.linear``: the report says which), and the op on each ``--sparsity``'s
-layout as the vLLM plugin holds it (2:4 rows; unstructured rows spread, ``cpu.row_spread``)
-with its measured plan's paths. The sides take the rounds in ``common.balanced_orders``; a
-side's time is its median pass over ``--rounds`` rounds, its ratio the median of its rounds'
-dense time / its time (with the lowest and highest), its read rate the weight bytes of a
-pass over its time; each projection's median time is given too. Writes ``--name``.md and
-``.json`` to ``--out``, labelled by this CPU's line.
+vLLM runs it, qkv and gate_up fused), each layer with weights of its own (random: 2:4 by
+magnitude, unstructured at random places; ``cpu_layers.op_layers``), so that a pass reads
+every weight from memory, as a served model's step does. A pass calls every layer's
+projections in turn at ``--tokens`` tokens. The sides: dense (vLLM's dense CPU GEMM as its
+unquantized layers run it, where vLLM is installed, else ``F.linear``: the report says
+which), and the op on each ``--sparsity``'s layout as the vLLM plugin holds it (2:4 rows;
+unstructured rows spread, ``cpu.row_spread``) with its measured plan's paths. The sides
+take the rounds in ``common.balanced_orders``; a side's time is its median pass over
+``--rounds`` rounds, its ratio the median of its rounds' dense time / its time (with the
+lowest and highest), its read rate the weight bytes of a pass over its time; each
+projection's median time is given too. Writes ``--name``.md and ``.json`` to ``--out``,
+labelled by this CPU's line.
 """
 
 from __future__ import annotations
