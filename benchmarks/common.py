@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -192,6 +193,24 @@ def balanced_orders(labels: list) -> list[list]:
     if count % 2:
         rows += [row[::-1] for row in rows]
     return [[labels[place] for place in row] for row in rows]
+
+
+def alternated_rounds(sides: dict, rounds: int) -> dict[str, list[float]]:
+    """Per side (a label and a callable), its seconds in each of ``rounds`` rounds; every
+    round runs each side once, in that round's order of ``balanced_orders``."""
+    seconds = {label: [] for label in sides}
+    orders = balanced_orders(list(sides))
+    for round_ in range(rounds):
+        for label in orders[round_ % len(orders)]:
+            start = time.perf_counter()
+            sides[label]()
+            seconds[label].append(time.perf_counter() - start)
+    return seconds
+
+
+def ratio_spread(ratios: list[float]) -> dict:
+    """Per-round ratios as ``ratio`` (their median), ``lowest`` and ``highest``."""
+    return {"ratio": statistics.median(ratios), "lowest": min(ratios), "highest": max(ratios)}
 
 
 def write_json(path: Path, payload) -> None:

@@ -39,12 +39,12 @@ import json
 import os
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, balanced_orders, check_serving_sparsities, write_json  # noqa: E402
+from common import RESULTS, alternated_rounds, check_serving_sparsities, write_json  # noqa: E402
 from cpu_layers import DENSE_CAPS, SHAPES, cpu_line, op_layers, vllm_dense_linear  # noqa: E402
 from cpu_op_tables import write_results  # noqa: E402
 
@@ -71,19 +71,18 @@ def run_again_with_dense_caps(argv: list[str]) -> None:
 def alternating_medians(sides: dict[str, list], repeats: int) -> dict[str, float]:
     """Per side, the median over ``repeats`` rounds of the time per call; each round runs
     one pass of every side (each call with its own weight copy), the sides in turn, in the
-    round's order of ``balanced_orders``."""
+    round's order of ``balanced_orders`` (``common.alternated_rounds``)."""
     for calls in sides.values():  # warm-up: pages touched, kernels built, plans made
-        for call in calls:
-            call()
-    times = {label: [] for label in sides}
-    orders = balanced_orders(list(sides))
-    for round_ in range(repeats):
-        for label in orders[round_ % len(orders)]:
-            start = time.perf_counter()
-            for call in sides[label]:
-                call()
-            times[label].append((time.perf_counter() - start) / len(sides[label]))
-    return {label: statistics.median(values) for label, values in times.items()}
+        one_pass(calls)
+    rounds = alternated_rounds({label: partial(one_pass, calls)
+                                for label, calls in sides.items()}, repeats)  # fmt: skip
+    return {label: statistics.median([seconds / len(sides[label]) for seconds in values])
+            for label, values in rounds.items()}  # fmt: skip
+
+
+def one_pass(calls: list) -> None:
+    for call in calls:
+        call()
 
 
 def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,

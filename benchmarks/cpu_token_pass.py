@@ -26,12 +26,20 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, balanced_orders, check_serving_sparsities, write_json  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    alternated_rounds,
+    check_serving_sparsities,
+    ratio_spread,
+    write_json,
+)
 from cpu_layers import SHAPES, cpu_line, op_layers, vllm_dense_linear  # noqa: E402
+from vllm_speed_report import sparsity_label  # noqa: E402
 
 
 def model_sides(args, dtype) -> tuple[dict, dict, str]:
@@ -44,7 +52,7 @@ def model_sides(args, dtype) -> tuple[dict, dict, str]:
     projections = SHAPES[args.shapes]
     linear_for = vllm_dense_linear()
     baseline = "vLLM's dense GEMM (onednn_mm)" if linear_for else "F.linear"
-    passes = {"dense": [], **{label(s): [] for s in args.sparsity}}
+    passes = {"dense": [], **{sparsity_label(s): [] for s in args.sparsity}}
     weight_bytes = dict.fromkeys(passes, 0)
     by_projection = {}
     for name, (rows, columns) in projections.items():
@@ -53,9 +61,9 @@ def model_sides(args, dtype) -> tuple[dict, dict, str]:
             density = None if sparsity == "2:4" else 1 - float(sparsity)
             plan = cpu_plan(rows, columns, dtype, density)
             thresholds = (plan.tiled_from, plan.gemm_from, plan.lanes_until, plan.brgemm_until)
-            by_projection[name, label(sparsity)] = [
+            by_projection[name, sparsity_label(sparsity)] = [
                 lambda x, run=run, t=thresholds: run(x, *t) for run in runs]  # fmt: skip
-            weight_bytes[label(sparsity)] += size * args.layers
+            weight_bytes[sparsity_label(sparsity)] += size * args.layers
         calls = [linear_for(w) for w in dense] if linear_for else [
             lambda x, w=w: F.linear(x, w) for w in dense]  # fmt: skip
         by_projection[name, "dense"] = calls
@@ -66,13 +74,8 @@ def model_sides(args, dtype) -> tuple[dict, dict, str]:
     return passes, weight_bytes, baseline
 
 
-def label(sparsity: str) -> str:
-    return sparsity if sparsity == "2:4" else f"{float(sparsity) * 100:g} %"
-
-
 def time_passes(passes: dict, inputs: dict, rounds: int) -> dict:
     """Per side, each round's pass time and each projection's median time per call."""
-    seconds = {side: [] for side in passes}
     per_call = {side: {} for side in passes}
 
     def run(side, record):
@@ -84,12 +87,7 @@ def time_passes(passes: dict, inputs: dict, rounds: int) -> dict:
 
     for side in passes:  # warm-up: kernels built, pages touched
         run(side, False)
-    orders = balanced_orders(list(passes))
-    for round_ in range(rounds):
-        for side in orders[round_ % len(orders)]:
-            start = time.perf_counter()
-            run(side, True)
-            seconds[side].append(time.perf_counter() - start)
+    seconds = alternated_rounds({side: partial(run, side, True) for side in passes}, rounds)
     return {side: {"rounds": seconds[side],
                    "projections": {name: statistics.median(times)
                                    for name, times in per_call[side].items()}}
@@ -100,10 +98,9 @@ def summarise(measured: dict, weight_bytes: dict) -> dict:
     dense = measured["dense"]["rounds"]
     results = {}
     for side, values in measured.items():
-        ratios = sorted(d / s for d, s in zip(dense, values["rounds"], strict=True))
+        ratios = [d / s for d, s in zip(dense, values["rounds"], strict=True)]
         seconds = statistics.median(values["rounds"])
-        results[side] = {"seconds": seconds, "ratio": statistics.median(ratios),
-                         "lowest": ratios[0], "highest": ratios[-1],
+        results[side] = {"seconds": seconds, **ratio_spread(ratios),
                          "gb_per_s": weight_bytes[side] / seconds / 1e9,
                          "weight_bytes": weight_bytes[side],
                          "projections": values["projections"]}  # fmt: skip

@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import ratio_spread  # noqa: E402
 from vllm_speed_report import rss_saved  # noqa: E402
 
 
@@ -34,8 +35,7 @@ def summarise(payload: dict) -> dict:
             ratios = [rate / base for rate, base in zip(rates, dense_rates, strict=False)]
             cell = {"tokens_per_s": statistics.median(rates), "rounds": rates}
             if label != "dense" and ratios:
-                cell |= {"ratios": ratios, "ratio": statistics.median(ratios),
-                         "lowest": min(ratios), "highest": max(ratios)}  # fmt: skip
+                cell |= {"ratios": ratios, **ratio_spread(ratios)}
             results[label]["workloads"][workload] = cell
     return results
 

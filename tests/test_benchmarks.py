@@ -243,7 +243,7 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
             "float32", "--rounds", "3", "--out", str(tmp_path), "--name", "pass"]  # fmt: skip
     args = cpu_token_pass.parse_args(argv)
     passes, weight_bytes, baseline = cpu_token_pass.model_sides(args, torch.float32)
-    assert list(passes) == ["dense", "2:4", "50 %"]
+    assert list(passes) == ["dense", "2:4", "50%"]
     for layer_pass in passes.values():
         assert [name for name, _ in layer_pass] == ["qkv", "o", "qkv", "o"]
         calls = [call for _, call in layer_pass]
@@ -263,7 +263,7 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
             assert side["lowest"] <= side["ratio"] <= side["highest"]
             assert set(side["projections"]) == {"qkv", "o"}
     table = (tmp_path / "pass.md").read_text()
-    assert "## 3 tokens" in table and "| 50 % | " in table and "qkv ms | o ms |" in table
+    assert "## 3 tokens" in table and "| 50% | " in table and "qkv ms | o ms |" in table
 
 
 def test_cpu_op_benchmark_times_the_micro_kernels_tiles_where_they_run(tmp_path, monkeypatch):
@@ -618,3 +618,16 @@ def test_balanced_orders_give_every_side_every_place_and_every_predecessor(count
     if count > 1:
         assert len(follows) == count * (count - 1)  # every ordered pair of two sides
         assert len(set(follows.values())) == 1
+
+
+def test_alternated_rounds_run_each_side_once_a_round_in_balanced_orders():
+    """common.alternated_rounds: every round runs each side once, in that round's balanced
+    order, and gives each side its seconds per round."""
+    from common import alternated_rounds, balanced_orders
+
+    ran = []
+    sides = {label: (lambda label=label: ran.append(label)) for label in ("a", "b", "c")}
+    seconds = alternated_rounds(sides, 8)
+    orders = balanced_orders(["a", "b", "c"])
+    assert ran == [label for round_ in range(8) for label in orders[round_ % len(orders)]]
+    assert all(len(values) == 8 and min(values) >= 0 for values in seconds.values())
