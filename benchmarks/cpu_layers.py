@@ -61,12 +61,21 @@ def vllm_dense_linear():
     return linear_for
 
 
-def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
+def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int,
+              grouped: bool | None = None):  # fmt: skip
     """``copies`` random weights of the layout (``2:4``, or unstructured at ``sparsity``),
     their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_until)``
-    of the op on each (an unstructured layer's rows spread in memory as the vLLM plugin
-    holds them, ``cpu.row_spread``; its bytes the checkpoint's)."""
-    from whisper_modifiers.sparse_serving.cpu.op import bitmask_cpu_linear, sparse24_cpu_linear
+    of the op on each, an unstructured layer held as the vLLM plugin holds it (``grouped``
+    None): grouped where ``grouped_layout_runs`` (``cpu.grouped_layout``), else its rows
+    spread in memory (``cpu.row_spread``); ``grouped`` False: its rows spread wherever. Its
+    bytes are the checkpoint's."""
+    from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_layout
+    from whisper_modifiers.sparse_serving.cpu.op import (
+        bitmask_cpu_linear,
+        grouped_cpu_linear,
+        grouped_layout_runs,
+        sparse24_cpu_linear,
+    )
     from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
     from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
     from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
@@ -81,9 +90,14 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int):
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
-    served = [(*spread_for_op(v, o), b) for v, b, o in stored]
-    runs = [lambda x, t, g, lanes, brgemm, v=v, b=b, o=o: bitmask_cpu_linear(
-        x, v, b, o, None, columns, t, g, brgemm) for v, o, b in served]  # fmt: skip
+    if grouped_layout_runs(dtype) if grouped is None else grouped:
+        held = [group_layout(v, b, o, columns) for v, b, o in stored]
+        runs = [lambda x, t, g, lanes, brgemm, layer=layer: grouped_cpu_linear(
+            x, *layer, None, columns, rows, t, g, brgemm) for layer in held]  # fmt: skip
+    else:
+        served = [(*spread_for_op(v, o), b) for v, b, o in stored]
+        runs = [lambda x, t, g, lanes, brgemm, v=v, b=b, o=o: bitmask_cpu_linear(
+            x, v, b, o, None, columns, t, g, brgemm) for v, o, b in served]  # fmt: skip
     values, bitmask, offsets = stored[0]
     size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
     return dense, size, runs

@@ -12,8 +12,9 @@ every weight from memory, as a served model's step does. A pass calls every laye
 projections in turn at ``--tokens`` tokens. The sides: dense (vLLM's dense CPU GEMM as its
 unquantized layers run it, where vLLM is installed, else ``F.linear``: the report says
 which), and the op on each ``--sparsity``'s layout as the vLLM plugin holds it (2:4 rows;
-unstructured rows spread, ``cpu.row_spread``) with its measured plan's paths. The sides
-take the rounds in ``common.balanced_orders``; a side's time is its median pass over
+unstructured ones grouped, ``cpu.grouped_layout``, on ``avx512_bf16`` kernels, else rows
+spread, ``cpu.row_spread``) with its measured plan's paths. The sides take the rounds in
+``common.balanced_orders``; a side's time is its median pass over
 ``--rounds`` rounds, its ratio the median of its rounds' dense time / its time (with the
 lowest and highest), its read rate the weight bytes of a pass over its time; each
 projection's median time is given too. Writes ``--name``.md and ``.json`` to ``--out``,
@@ -52,18 +53,21 @@ def model_sides(args, dtype) -> tuple[dict, dict, str]:
     projections = SHAPES[args.shapes]
     linear_for = vllm_dense_linear()
     baseline = "vLLM's dense GEMM (onednn_mm)" if linear_for else "F.linear"
-    passes = {"dense": [], **{sparsity_label(s): [] for s in args.sparsity}}
+    layouts = [(sparsity_label(s), s, None) for s in args.sparsity]
+    if args.rows:  # each unstructured sparsity again, its rows spread (grouped=False)
+        layouts += [(f"{sparsity_label(s)} rows", s, False) for s in args.sparsity if s != "2:4"]
+    passes = {"dense": [], **{side: [] for side, _, _ in layouts}}
     weight_bytes = dict.fromkeys(passes, 0)
     by_projection = {}
     for name, (rows, columns) in projections.items():
-        for sparsity in args.sparsity:
-            dense, size, runs = op_layers(rows, columns, dtype, sparsity, args.layers)
+        for side, sparsity, grouped in layouts:
+            dense, size, runs = op_layers(rows, columns, dtype, sparsity, args.layers, grouped)
             density = None if sparsity == "2:4" else 1 - float(sparsity)
             plan = cpu_plan(rows, columns, dtype, density)
             thresholds = (plan.tiled_from, plan.gemm_from, plan.lanes_until, plan.brgemm_until)
-            by_projection[name, sparsity_label(sparsity)] = [
+            by_projection[name, side] = [
                 lambda x, run=run, t=thresholds: run(x, *t) for run in runs]  # fmt: skip
-            weight_bytes[sparsity_label(sparsity)] += size * args.layers
+            weight_bytes[side] += size * args.layers
         calls = [linear_for(w) for w in dense] if linear_for else [
             lambda x, w=w: F.linear(x, w) for w in dense]  # fmt: skip
         by_projection[name, "dense"] = calls
@@ -144,6 +148,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sparsity", nargs="+", default=["2:4", "0.5", "0.65"],
                         help="the op's layouts: 2:4 and/or sparsities in (0, 1)")  # fmt: skip
     parser.add_argument("--tokens", nargs="+", type=int, default=[1])
+    parser.add_argument("--rows", action="store_true",
+                        help="also each unstructured sparsity's layers held as rows (spread), "
+                             "as served where the grouped layout does not run; on the served "
+                             "layout's plan")  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rounds", type=int, default=36)
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_sparse24")

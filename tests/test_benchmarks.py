@@ -231,7 +231,8 @@ def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
 def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypatch):
     """benchmarks/cpu_token_pass.py on a tiny two-layer model: each side's pass calls every
     layer's projections in model order, each layer with weights of its own; its ratios are
-    per round against dense; its bytes are the layouts'; a table per token count."""
+    per round against dense; its bytes are the layouts'; a table per token count; with
+    ``--rows``, each unstructured sparsity's layers held as rows too, the same weights."""
     import cpu_token_pass
 
     from whisper_modifiers.sparse_serving.cpu.op import cpu_kernels_unavailable
@@ -253,6 +254,12 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
     # float32: dense 4 bytes a weight; 2:4 half the values and a bit per input
     assert weight_bytes["dense"] == 2 * (96 + 32) * 64 * 4
     assert weight_bytes["2:4"] == 2 * (96 + 32) * (32 * 4 + 8)
+    with_rows, rows_bytes, _ = cpu_token_pass.model_sides(
+        cpu_token_pass.parse_args([*argv, "--rows"]), torch.bfloat16)  # fmt: skip
+    assert list(with_rows) == ["dense", "2:4", "50%", "50% rows"]  # the rows beside the served
+    assert rows_bytes["50% rows"] == rows_bytes["50%"]
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(with_rows["50%"][0][1](x), with_rows["50% rows"][0][1](x))
     assert cpu_token_pass.main(argv) == 0
     payload = json.loads((tmp_path / "pass.json").read_text())
     assert payload["baseline"] in ("F.linear", "vLLM's dense GEMM (onednn_mm)")

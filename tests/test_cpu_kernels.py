@@ -332,7 +332,8 @@ def test_avx512_and_avx2_kernels_are_right_on_any_cpu(tmp_path):
                SOURCE_DIR / "avx2_bitmask.cpp", SOURCE_DIR / "avx512.cpp",
                SOURCE_DIR / "avx512_bf16.cpp",
                SOURCE_DIR / "avx512_bf16_gemm.cpp",
-               SOURCE_DIR / "avx512_bf16_bitmask_gemm.cpp"]  # fmt: skip
+               SOURCE_DIR / "avx512_bf16_bitmask_gemm.cpp",
+               SOURCE_DIR / "avx512_bf16_grouped.cpp"]  # fmt: skip
     command = [cpu_build._compiler(), "-O1", "-fsanitize=address", "-std=c++17", "-I",
                str(SOURCE_DIR), "-I", str(native), "-DWS_EMULATE_INTRINSICS=\"avx512_emulation.h\"",
                *map(str, sources), "-o", str(tmp_path / "check")]  # fmt: skip

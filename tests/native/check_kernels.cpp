@@ -2,8 +2,9 @@
 // x86 CPU the op serves has AVX2), against a scalar reference on integer values (every product
 // and float32 sum exact, so equality is the test): every shape of tails and row groups, 1 to 9
 // tokens, float32 and bfloat16 weights; and the 2:4 GEMM at token counts around its tiles,
-// with a bias; and unstructured layers (row offsets), their values held in vectors of exactly
-// their size, so that AddressSanitizer sees a load past the layer's last value.
+// with a bias; and unstructured layers (row offsets, and the grouped layout), their values held
+// in vectors of exactly their size, so that AddressSanitizer sees a load past the layer's last
+// value (past the grouped layout's 32 zeros).
 // Prints one line per failure and exits 1 on any; test_cpu_kernels.py builds and runs it.
 #include <algorithm>
 #include <cstdint>
@@ -218,7 +219,7 @@ void run_bitmask_gemm(const GemmArgs& args) {
 void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& expected,
                         const std::vector<uint16_t>& kept_bf16, const std::vector<uint8_t>& bitmask,
                         const int64_t* offsets, int64_t rows, int64_t columns,
-                        int64_t tokens, std::mt19937& draw) {
+                        int64_t tokens, std::mt19937& draw, GroupedLayer grouped = {}) {
   const int64_t ldx = columns + 4;
   std::uniform_int_distribution<int> value(-3, 3);
   std::vector<uint16_t> x_bf16(tokens * ldx, 0x7FC0);
@@ -230,13 +231,15 @@ void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& e
     std::vector<uint16_t> y(tokens * rows, 0xFFFF);
     GemmArgs args{x_bf16.data(), ldx, kept_bf16.data(), bitmask.data(), bias.data(), y.data(),
                   rows, tokens, columns, begin, rows, offsets, int64_t(kept_bf16.size())};
+    args.grouped = grouped;
     run_bitmask_gemm(args);
     bool same = true;
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t n = 0; n < rows; ++n)
         same &= y[t * rows + n] ==
                 (n < begin ? 0xFFFF : round_bf16(expected[t * rows + n] + bias[n]));
-    expect(same, "bitmask_gemm_avx512_bf16", rows, columns, tokens);
+    expect(same, grouped.defined() ? "bitmask_gemm_avx512_bf16 grouped"
+                                   : "bitmask_gemm_avx512_bf16", rows, columns, tokens);
   }
 }
 
@@ -272,6 +275,85 @@ void check_two_four_in_bitmask_gemm(const Layer& layer, std::mt19937& draw) {
     for (const int64_t* starts : ways)
       check_bitmask_gemm(x, expected, layer.kept_bf16, layer.bitmask, starts, layer.rows,
                          layer.columns, tokens, draw);
+  }
+}
+
+// An unstructured layer in the grouped layout (sparse_kernels.h, GroupedLayer), built as
+// cpu/grouped_layout.py builds it: 32 zeros after the last value, and no room past them.
+struct Grouped {
+  std::vector<uint16_t> values;
+  std::vector<uint32_t> masks;
+  std::vector<int64_t> offsets;
+  GroupedLayer layer(int64_t rows) const { return {offsets.data(), masks.data(), rows}; }
+};
+
+Grouped grouped_layout(const std::vector<float>& dense, const std::vector<uint8_t>& bitmask,
+                       int64_t rows, int64_t columns) {
+  const int64_t steps = group_steps(columns), groups = (rows + kGroupRows - 1) / kGroupRows;
+  const int64_t bytes = (columns + 7) / 8;
+  Grouped grouped;
+  grouped.masks.assign(groups * steps * kGroupRows, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    grouped.offsets.push_back(int64_t(grouped.values.size()));
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t r = 0; r < kGroupRows && g * kGroupRows + r < rows; ++r) {
+        const int64_t n = g * kGroupRows + r;
+        for (int64_t k = s * 32; k < std::min(columns, s * 32 + 32); ++k) {
+          if (!(bitmask[n * bytes + k / 8] >> (k % 8) & 1)) continue;
+          grouped.masks[(g * steps + s) * kGroupRows + r] |= uint32_t(1) << (k - s * 32);
+          grouped.values.push_back(to_bf16(dense[n * columns + k]));
+        }
+      }
+  }
+  grouped.offsets.push_back(int64_t(grouped.values.size()));
+  grouped.values.resize(grouped.values.size() + 32, 0);
+  grouped.values.shrink_to_fit();
+  return grouped;
+}
+
+// The grouped layout: its dense rows (from a row that does not start a group too), its
+// one-stream row kernel at the row kernels' token counts (from the second group too), and the
+// unstructured GEMM over it.
+void check_grouped(const std::vector<float>& dense, const std::vector<uint8_t>& bitmask,
+                   int64_t rows, int64_t columns, std::mt19937& draw,
+                   const std::vector<int64_t>& gemm_tokens) {
+  const Grouped grouped = grouped_layout(dense, bitmask, rows, columns);
+  const GroupedLayer layer = grouped.layer(rows);
+  for (int64_t begin : {int64_t(0), std::min<int64_t>(3, rows - 1)}) {
+    for (auto decompress : {decompress_avx512, decompress_bitmask_avx2}) {
+      std::vector<uint16_t> out((rows - begin) * columns, 0xABCD);
+      DecompressArgs args{grouped.values.data(), WeightType::bf16, nullptr, out.data(), columns,
+                          begin, rows};
+      args.grouped = layer;
+      decompress(args);
+      bool same = true;
+      for (int64_t i = 0; i < (rows - begin) * columns; ++i)
+        same &= out[i] == to_bf16(dense[begin * columns + i]);
+      expect(same, "decompress grouped", rows, columns, begin);
+    }
+  }
+  for (int64_t tokens : {int64_t(1), int64_t(2), int64_t(5), int64_t(9)}) {
+    const std::vector<float> x = random_x(tokens, columns, draw);
+    const std::vector<float> expected = products(x, dense, rows, columns, tokens);
+    std::vector<uint16_t> x_bf16(tokens * columns);
+    for (size_t i = 0; i < x.size(); ++i) x_bf16[i] = to_bf16(x[i]);
+    for (int64_t begin : {int64_t(0), rows > kGroupRows ? int64_t(kGroupRows) : int64_t(0)}) {
+      std::vector<float> y(tokens * rows, -1.0f);
+      RowsArgs args{x_bf16.data(), columns, grouped.values.data(), WeightType::bf16, nullptr,
+                    y.data(), rows, tokens, columns, begin, rows};
+      args.grouped = layer;
+      rows_grouped_avx512_bf16(args);
+      bool same = true;
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t n = 0; n < rows; ++n)
+          same &= y[t * rows + n] == (n < begin ? -1.0f : expected[t * rows + n]);
+      expect(same, "rows_grouped_avx512_bf16", rows, columns, tokens);
+    }
+  }
+  for (int64_t tokens : gemm_tokens) {
+    const std::vector<float> x = random_x(tokens, columns, draw);
+    check_bitmask_gemm(x, products(x, dense, rows, columns, tokens), grouped.values, bitmask,
+                       nullptr, rows, columns, tokens, draw, layer);
   }
 }
 
@@ -321,6 +403,7 @@ void check_unstructured(int64_t rows, int64_t columns, double sparsity, std::mt1
     check_bitmask_gemm(x, products(x, dense, rows, columns, tokens), kept_bf16, bitmask,
                        offsets.data(), rows, columns, tokens, draw);
   }
+  if (columns <= 8192) check_grouped(dense, bitmask, rows, columns, draw, gemm_tokens);
   if (columns > 8192) return;  // the row kernels' checks below are for the smaller layers
   for (int64_t tokens :
        {int64_t(1), int64_t(2), int64_t(5), int64_t(9), int64_t(14), int64_t(29)}) {

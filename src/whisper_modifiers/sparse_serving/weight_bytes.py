@@ -6,10 +6,12 @@ dense below its plan's crossover) holds 1 + 9/16 of it. The CPU op's layers hold
 checkpoint's ``compressed`` and ``bitmask`` tensors: 9/16 of a bfloat16 weight, 17/32 of a
 float32 one; an unstructured layer's op also its ``row_offsets`` (0.41x a bfloat16 weight
 at 65 %) and, where its rows are spread in memory (``cpu.row_spread``), the gaps between
-them. ``sparse_weight_bytes`` walks a model (vLLM's, through ``LLM.apply_model``, or one
-``gpu.kernels.accelerate`` changed) and counts, per compressed layer, every distinct tensor
-storage it keeps for its weight: the ``weight`` parameter, the kernel's compressed operand
-and its dense copy (a tensor shared by two of them is counted once).
+them; in the grouped layout (``cpu.grouped_layout``), its group masks and offsets instead of
+the bitmask and row offsets. ``sparse_weight_bytes`` walks a model (vLLM's, through
+``LLM.apply_model``, or one ``gpu.kernels.accelerate`` changed) and counts, per compressed
+layer, every distinct tensor storage it keeps for its weight: the ``weight`` parameter, the
+kernel's compressed operand and its dense copy (a tensor shared by two of them is counted
+once).
 
 Imports only torch (and this subpackage).
 """
@@ -18,7 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear, CpuSparse24Linear
+from whisper_modifiers.sparse_serving.cpu.linear import (
+    CpuBitmaskLinear,
+    CpuGroupedLinear,
+    CpuSparse24Linear,
+)
 from whisper_modifiers.sparse_serving.gpu.kernels import Sparse24Linear
 
 __all__ = ["DENSE_BYTES_ATTRIBUTE", "layer_weight_bytes", "sparse_weight_bytes"]
@@ -40,8 +46,8 @@ def _storages(tensors) -> dict[int, int]:
 
 def layer_weight_bytes(layer: torch.nn.Module) -> tuple[int | None, int]:
     """``(held, dense)``: the bytes ``layer`` keeps for its compressed weight and the bytes
-    of that weight dense. A ``Sparse24Linear``, ``CpuSparse24Linear`` or
-    ``CpuBitmaskLinear`` (or a layer with one as ``sparse_kernel``) holds its compressed
+    of that weight dense. A ``Sparse24Linear``, ``CpuSparse24Linear``, ``CpuBitmaskLinear``
+    or ``CpuGroupedLinear`` (or a layer with one as ``sparse_kernel``) holds its compressed
     tensors and, where its plan runs dense, the dense copy; any other layer holds its
     ``weight``. ``held`` is None where the weight left the layer's tensors (vLLM's CPU
     GEMMs pack it into a oneDNN handle and leave an empty ``weight``)."""
@@ -51,7 +57,8 @@ def layer_weight_bytes(layer: torch.nn.Module) -> tuple[int | None, int]:
     dense_copy = getattr(kernel, "dense", None)
     bitmask = getattr(kernel, "bitmask", None)  # the CPU op's (cuSPARSELt's is inside)
     row_offsets = getattr(kernel, "row_offsets", None)  # an unstructured layer's
-    held = _storages([weight, compressed, dense_copy, bitmask, row_offsets])
+    grouped = [getattr(kernel, name, None) for name in ("group_masks", "group_offsets")]
+    held = _storages([weight, compressed, dense_copy, bitmask, row_offsets, *grouped])
     packed = compressed is None and dense_copy is None and (weight is None or weight.numel() == 0)
     dense = getattr(layer, DENSE_BYTES_ATTRIBUTE, None)
     if dense is None:
@@ -73,7 +80,7 @@ def sparse_weight_bytes(model: torch.nn.Module) -> dict:
     (``packed_layers``, see ``layer_weight_bytes``) or there is no compressed layer."""
     marked = [m for m in model.modules() if hasattr(m, DENSE_BYTES_ATTRIBUTE)]
     inside = {id(getattr(m, "sparse_kernel", None)) for m in marked}
-    kinds = (Sparse24Linear, CpuSparse24Linear, CpuBitmaskLinear)
+    kinds = (Sparse24Linear, CpuSparse24Linear, CpuBitmaskLinear, CpuGroupedLinear)
     kernels = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inside]
     held = dense = packed = 0
     for layer in marked + kernels:

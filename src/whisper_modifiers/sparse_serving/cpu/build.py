@@ -41,6 +41,7 @@ CPU_OP_NAMESPACE = "whisper_sparse_cpu"
 SOURCE_DIR = Path(__file__).with_name("kernels")
 KERNEL_SOURCES = ("avx2.cpp", "avx2_bitmask.cpp", "avx512.cpp",
                   "avx512_bf16.cpp", "avx512_bf16_gemm.cpp", "avx512_bf16_bitmask_gemm.cpp",
+                  "avx512_bf16_grouped.cpp",
                   "op.cpp", "op_brgemm.cpp", "op_gemm.cpp", "op_isa.cpp",
                   "op_tiles.cpp")  # fmt: skip
 HEADERS = (
@@ -50,6 +51,7 @@ HEADERS = (
     "op_brgemm.h",
     "op_gemm.h",
     "op_isa.h",
+    "op_layer.h",
     "op_tiles.h",
 )
 LIBRARY = f"lib{CPU_OP_NAMESPACE}.so"

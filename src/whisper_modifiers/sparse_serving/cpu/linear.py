@@ -1,10 +1,13 @@
 """Linear layers that stay compressed on the CPU and run the CPU op (``cpu.op``) on the
 paths of their measured plan (``cpu.plans``): ``CpuSparse24Linear`` over a 2:4 layer's
 ``compressed`` and ``bitmask`` tensors, ``CpuBitmaskLinear`` over an unstructured layer's
-``compressed`` values, ``bitmask`` and ``row_offsets``. The vLLM plugin holds one per
-compressed layer (``vllm_adapter.layers``), and transformers' loader puts one in place of
-each compressed ``nn.Linear`` (``transformers_adapter.quantizer``). ``cpu_serving_kernel``
-says whether a layer gets one here.
+``compressed`` values, ``bitmask`` and ``row_offsets``, ``CpuGroupedLinear`` over one in the
+grouped layout (``cpu.grouped_layout``). The vLLM plugin holds one per compressed layer
+(``vllm_adapter.layers``): ``cpu_serving_kernel`` says whether a layer gets one here, and
+which (an unstructured bfloat16 layer is grouped on ``avx512_bf16`` kernels, elsewhere its
+rows are spread: ``cpu.row_spread``). transformers' loader puts a ``CpuSparse24Linear`` or
+``CpuBitmaskLinear`` in place of each compressed ``nn.Linear``
+(``transformers_adapter.quantizer``), holding the checkpoint's tensors as stored.
 
 Imports only torch (and this subpackage).
 """
@@ -13,10 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_layout
 from whisper_modifiers.sparse_serving.cpu.op import (
     CPU_KERNEL_DTYPES,
     bitmask_cpu_linear,
     cpu_kernels_unavailable,
+    grouped_cpu_linear,
+    grouped_layout_runs,
     sparse24_cpu_linear,
 )
 from whisper_modifiers.sparse_serving.cpu.plans import CpuPlan, cpu_plan
@@ -25,7 +31,13 @@ from whisper_modifiers.sparse_serving.format.bitmask import check_bitmask
 from whisper_modifiers.sparse_serving.format.two_four import check_compressed
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, kernel_mode
 
-__all__ = ["CpuBitmaskLinear", "CpuSparse24Linear", "cpu_serving_kernel", "cpu_serving_refusal"]
+__all__ = [
+    "CpuBitmaskLinear",
+    "CpuGroupedLinear",
+    "CpuSparse24Linear",
+    "cpu_serving_kernel",
+    "cpu_serving_refusal",
+]
 
 
 def _density(values: int, rows: int, columns: int) -> float:
@@ -154,6 +166,43 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
                                   plan.brgemm_until)  # fmt: skip
 
 
+class CpuGroupedLinear(_CpuCompressedLinear):
+    """An unstructured sparse bfloat16 Linear in the grouped layout (``cpu.grouped_layout``):
+    ``compressed`` (the groups' streams of kept values), ``group_masks`` and
+    ``group_offsets``; ``kept_values`` is how many values it keeps. Built only from a
+    checked layer (``from_compressed``), by the vLLM plugin; it holds no copy of the
+    checkpoint's layout."""
+
+    layout = "unstructured, grouped"
+
+    @classmethod
+    def from_compressed(cls, values: torch.Tensor, bitmask: torch.Tensor,
+                        row_offsets: torch.Tensor, in_features: int, name: str = "weight",
+                        plan: CpuPlan | None = None):  # fmt: skip
+        """A module over loaded tensors (``format.bitmask``'s layout), after
+        ``check_bitmask``, regrouped."""
+        rows = bitmask.shape[0]
+        check_bitmask(values, bitmask, row_offsets, (rows, in_features), name)
+        module = cls(rows, in_features, False, values.dtype, "meta", plan)
+        grouped, group_masks, group_offsets = group_layout(values, bitmask, row_offsets,
+                                                           in_features)  # fmt: skip
+        module.kept_values = values.numel()
+        module.compressed, module.group_masks = _frozen(grouped), _frozen(group_masks)
+        module.group_offsets = _frozen(group_offsets)
+        module.shape = _frozen(torch.tensor([[rows], [in_features]]))
+        return module
+
+    def density(self) -> float:
+        return _density(self.kept_values, self.out_features, self.in_features)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
+        plan = self.plan or self.plan_paths()
+        return grouped_cpu_linear(x, self.compressed, self.group_masks, self.group_offsets, bias,
+                                  self.in_features, self.out_features, plan.tiled_from,
+                                  plan.gemm_from, plan.brgemm_until)  # fmt: skip
+
+
 def cpu_serving_refusal(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Why compressed layers of ``dtype`` on ``device`` are not run by the CPU op here (None
     where they are, unless the plan says dense is faster; ``cpu_serving_kernel``)."""
@@ -168,12 +217,13 @@ def cpu_serving_refusal(device: torch.device | str, dtype: torch.dtype) -> str |
 
 def cpu_serving_kernel(compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int,
                        name: str = "weight", row_offsets: torch.Tensor | None = None,
-                       ) -> CpuSparse24Linear | CpuBitmaskLinear | None:  # fmt: skip
+                       ) -> _CpuCompressedLinear | None:  # fmt: skip
     """The op's module for a loaded layer (2:4, or unstructured where ``row_offsets`` are
-    given), or None where the layer runs dense: the kernel mode is ``dense``, the op cannot
-    run here (``cpu_serving_refusal``), or, in the ``auto`` mode, the measured plan of its
-    shape and layout has the op slower than dense at one token. ``sparse`` runs the op
-    wherever it can."""
+    given: grouped where ``grouped_layout_runs``, else its rows spread), or None where the
+    layer runs dense: the kernel mode is ``dense``, the op cannot run here
+    (``cpu_serving_refusal``), or, in the ``auto`` mode, the measured plan of its shape and
+    layout has the op slower than dense at one token. ``sparse`` runs the op wherever it
+    can."""
     if cpu_serving_refusal(compressed.device, compressed.dtype) is not None:
         return None
     rows = bitmask.shape[0]
@@ -183,5 +233,5 @@ def cpu_serving_kernel(compressed: torch.Tensor, bitmask: torch.Tensor, in_featu
         return None
     if row_offsets is None:
         return CpuSparse24Linear.from_compressed(compressed, bitmask, in_features, name, plan)
-    return CpuBitmaskLinear.from_compressed(compressed, bitmask, row_offsets, in_features, name,
-                                            plan)  # fmt: skip
+    kind = CpuGroupedLinear if grouped_layout_runs(compressed.dtype) else CpuBitmaskLinear
+    return kind.from_compressed(compressed, bitmask, row_offsets, in_features, name, plan)

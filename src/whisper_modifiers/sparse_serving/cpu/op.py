@@ -48,6 +48,9 @@ __all__ = [
     "bitmask_decompress_cpu",
     "decompress_cpu",
     "gemm_runs",
+    "grouped_cpu_linear",
+    "grouped_decompress_cpu",
+    "grouped_layout_runs",
     "reference_linear",
     "set_cpu_isa",
     "sparse24_cpu_linear",
@@ -104,6 +107,15 @@ def _register_fake() -> None:
     def _(values, bitmask, row_offsets, in_features):
         return values.new_empty(bitmask.shape[0], in_features)
 
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::grouped_linear")
+    def _(x, values, group_masks, group_offsets, bias, in_features, out_features, gemm_from,
+          tiled_from, brgemm_until=0):  # fmt: skip
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::grouped_decompress")
+    def _(values, group_masks, group_offsets, in_features, out_features):
+        return values.new_empty(out_features, in_features)
+
 
 def cpu_isa() -> str | None:
     """The kernels the op runs here (``CPU_ISAS``), None where it is unavailable."""
@@ -135,6 +147,13 @@ def gemm_runs(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     return cpu_isa() == "avx512_bf16" and x_dtype == weight_dtype == torch.bfloat16
 
 
+def grouped_layout_runs(weight_dtype: torch.dtype) -> bool:
+    """Whether the op's served unstructured layers of ``weight_dtype`` are held in the grouped
+    layout here (``cpu.grouped_layout``): bfloat16 on the ``avx512_bf16`` kernels, where its
+    one-stream row kernel runs (bfloat16 activations; float32 ones take its tiles)."""
+    return gemm_runs(weight_dtype, weight_dtype)
+
+
 def sparse24_cpu_linear(x: torch.Tensor, compressed: torch.Tensor, bitmask: torch.Tensor,
                         bias: torch.Tensor | None, in_features: int, tiled_from: int = NO_TILES,
                         gemm_from: int = NO_TILES, lanes_until: int = 0,
@@ -164,6 +183,26 @@ def bitmask_decompress_cpu(values: torch.Tensor, bitmask: torch.Tensor, row_offs
                            in_features: int) -> torch.Tensor:  # fmt: skip
     """The dense unstructured ``W`` by the op's kernels (what its tiles hold)."""
     return _ops().bitmask_decompress(values, bitmask, row_offsets, in_features)
+
+
+def grouped_cpu_linear(x: torch.Tensor, values: torch.Tensor, group_masks: torch.Tensor,
+                       group_offsets: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+                       out_features: int, tiled_from: int = NO_TILES, gemm_from: int = NO_TILES,
+                       brgemm_until: int = 0) -> torch.Tensor:  # fmt: skip
+    """``x Wᵀ + bias`` for the unstructured ``W`` in the grouped layout (``cpu.grouped_layout``,
+    bfloat16): the one-stream row kernel below ``gemm_from`` tokens, the unstructured GEMM
+    from it, the tiles from ``tiled_from``, as ``bitmask_cpu_linear``'s, for bfloat16 ``x`` on
+    the ``avx512_bf16`` kernels; elsewhere the tiles at every token count."""
+    return _ops().grouped_linear(x, values, group_masks, group_offsets, bias, in_features,
+                                 out_features, gemm_from, tiled_from, brgemm_until)  # fmt: skip
+
+
+def grouped_decompress_cpu(values: torch.Tensor, group_masks: torch.Tensor,
+                           group_offsets: torch.Tensor, in_features: int,
+                           out_features: int) -> torch.Tensor:  # fmt: skip
+    """The dense ``W`` of a grouped layer by the op's kernels (what its tiles hold)."""
+    return _ops().grouped_decompress(values, group_masks, group_offsets, in_features,
+                                     out_features)  # fmt: skip
 
 
 def decompress_cpu(compressed: torch.Tensor, bitmask: torch.Tensor, in_features: int):

@@ -35,12 +35,15 @@ import torch.nn.functional as F
 
 from whisper_modifiers.sparse_serving.cpu.build import loaded_build_key
 from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_identity
+from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_layout
 from whisper_modifiers.sparse_serving.cpu.op import (
     NO_TILES,
     bitmask_cpu_linear,
     brgemm_kernel,
     cpu_isa,
     gemm_runs,
+    grouped_cpu_linear,
+    grouped_layout_runs,
     sparse24_cpu_linear,
 )
 from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
@@ -174,8 +177,9 @@ def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
 def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
               density: float | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """A random weight of the layout (2:4 where ``density`` is None, else unstructured at
-    ``density``) and, by path, ``run(x)`` of the op on it (the GEMMs where they run; "lanes",
-    the unstructured GEMM over a 2:4 layer's rows, for 2:4 layers)."""
+    ``density``, grouped where the served modules are: ``grouped_layout_runs``) and, by
+    path, ``run(x)`` of the op on it (the GEMMs where they run; "lanes", the unstructured
+    GEMM over a 2:4 layer's rows, for 2:4 layers)."""
     paths = _measured_paths(dtype, density)
     if density is None:
         dense = random_two_four(out_features, in_features, dtype)
@@ -184,6 +188,11 @@ def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
             x, compressed, bitmask, None, in_features, *t) for path in paths}  # fmt: skip
     dense = random_unstructured(out_features, in_features, dtype, density)
     values, bitmask, row_offsets = compress_bitmask(dense)
+    if grouped_layout_runs(dtype):  # in the layout the served modules hold here
+        grouped = group_layout(values, bitmask, row_offsets, in_features)
+        return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: grouped_cpu_linear(
+            x, *grouped, None, in_features, out_features, *bitmask_thresholds(t))
+            for path in paths}  # fmt: skip
     return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: bitmask_cpu_linear(
         x, values, bitmask, row_offsets, None, in_features, *bitmask_thresholds(t))
         for path in paths}  # fmt: skip

@@ -189,6 +189,30 @@ WS_TARGET void decompress_row(const DecompressArgs& a, int64_t n) {
   for (; k < a.K; ++k) out[k] = (mask[k / 8] >> (k % 8) & 1) ? *values++ : Value(0);
 }
 
+// A grouped layer's dense rows [n_begin, n_end) (bfloat16; GroupedLayer), value by value:
+// each group's stream walked once, its rows outside the range walked past. The grouped layout
+// is held only where the avx512_bf16 kernels run (cpu/grouped_layout.py); this serves a layer
+// whose kernels were capped below them since.
+WS_TARGET void decompress_grouped(const DecompressArgs& a) {
+  const int64_t steps = group_steps(a.K);
+  for (int64_t g = a.n_begin / kGroupRows; g * kGroupRows < a.n_end; ++g) {
+    const uint16_t* values = static_cast<const uint16_t*>(a.compressed) + a.grouped.offsets[g];
+    const uint32_t* masks = a.grouped.group_masks(g, a.K);
+    for (int64_t s = 0; s < steps; ++s)
+      for (int r = 0; r < kGroupRows; ++r) {
+        const uint32_t mask = masks[s * kGroupRows + r];
+        const int64_t n = g * kGroupRows + r;
+        if (n >= a.n_begin && n < a.n_end) {
+          uint16_t* out = static_cast<uint16_t*>(a.out) + a.out_row(n) + s * 32;
+          const uint16_t* next = values;
+          for (int64_t i = 0; i < 32 && s * 32 + i < a.K; ++i)
+            out[i] = (mask >> i) & 1u ? *next++ : 0;
+        }
+        values += __builtin_popcount(mask);
+      }
+  }
+}
+
 }  // namespace
 
 void rows_bitmask_avx2(const RowsArgs& args) {
@@ -200,6 +224,7 @@ void rows_bitmask_avx2(const RowsArgs& args) {
 }
 
 void decompress_bitmask_avx2(const DecompressArgs& args) {
+  if (args.grouped.defined()) return decompress_grouped(args);
   for (int64_t n = args.n_begin; n < args.n_end; ++n) {
     if (args.type == WeightType::f32) {
       decompress_row<float, WeightType::f32>(args, n);

@@ -236,8 +236,41 @@ void rows_avx512(const RowsArgs& args) {
   }
 }
 
+namespace {
+
+// A grouped layer's dense rows [n_begin, n_end) (bfloat16; GroupedLayer): each group's stream
+// walked once, each row's 32 inputs of a step expanded by its mask (vpexpandw); rows of the
+// group outside the range are walked past.
+WS_TARGET void decompress_grouped(const DecompressArgs& a) {
+  const GroupedLayer& layer = a.grouped;
+  const int64_t steps = group_steps(a.K), whole = a.K / 32;
+  for (int64_t g = a.n_begin / kGroupRows; g * kGroupRows < a.n_end; ++g) {
+    const uint16_t* values = static_cast<const uint16_t*>(a.compressed) + layer.offsets[g];
+    const uint32_t* masks = layer.group_masks(g, a.K);
+    for (int64_t s = 0; s < steps; ++s)
+      for (int r = 0; r < kGroupRows; ++r) {
+        const uint32_t mask = masks[s * kGroupRows + r];
+        const int64_t n = g * kGroupRows + r;
+        if (n >= a.n_begin && n < a.n_end) {
+          const __m512i w = _mm512_maskz_expand_epi16(mask, _mm512_loadu_si512(values));
+          uint16_t* out = static_cast<uint16_t*>(a.out) + a.out_row(n) + s * 32;
+          if (s < whole) {
+            _mm512_storeu_si512(out, w);
+          } else {
+            _mm512_mask_storeu_epi16(out, (uint32_t(1) << (a.K - s * 32)) - 1, w);
+          }
+        }
+        values += __builtin_popcount(mask);
+      }
+  }
+}
+
+}  // namespace
+
 void decompress_avx512(const DecompressArgs& args) {
-  if (args.type == WeightType::f32) {
+  if (args.grouped.defined()) {
+    decompress_grouped(args);
+  } else if (args.type == WeightType::f32) {
     decompress_typed<WeightType::f32>(args);
   } else {
     decompress_typed<WeightType::bf16>(args);

@@ -116,6 +116,14 @@ inline int64_t row_start(const GemmArgs& a, int64_t n) {
 Sweep sweep_of(const GemmArgs& a, int64_t n, int64_t n_end) {
   Sweep sweep;
   if (n >= n_end) return sweep;
+  if (a.grouped.defined()) {  // the groups' values, then their masks
+    const int64_t g = n / kGroupRows, g_end = (n_end + kGroupRows - 1) / kGroupRows;
+    sweep.at = reinterpret_cast<const char*>(a.compressed + a.grouped.offsets[g]);
+    sweep.end = reinterpret_cast<const char*>(a.compressed + a.grouped.offsets[g_end]);
+    sweep.then = reinterpret_cast<const char*>(a.grouped.group_masks(g, a.K));
+    sweep.then_end = reinterpret_cast<const char*>(a.grouped.group_masks(g_end, a.K));
+    return sweep;
+  }
   const int64_t mask_bytes = (a.K + 7) / 8;
   const int64_t first = row_start(a, n), last_row = row_start(a, n_end - 1);
   // the last row's end, about: it may be the layer's, which row_offsets does not hold
@@ -169,6 +177,30 @@ WS_TARGET void expand_chunk(const GemmArgs& a, const uint16_t** next, int64_t n,
                             expand32<false>(mask, next[r0 + i], count, end));
         next[r0 + i] += count;
       }
+  }
+}
+
+// A grouped layer's rows [n, n + rows) (n on a group), inputs [k0, k0 + width) (k0 a multiple
+// of 32), expanded into `expanded` as expand_chunk's; next[i]: where the block's group i goes
+// on (advanced). The groups are walked kExpandSide at a time, their pointers independent
+// chains; the rows past the layer's last in its last group expand to zeros (their masks are).
+WS_TARGET void expand_grouped_chunk(const GemmArgs& a, const uint16_t** next, int64_t n,
+                                    int64_t rows, int64_t k0, int64_t width, uint16_t* expanded,
+                                    int64_t stride) {
+  const int64_t groups = (rows + kGroupRows - 1) / kGroupRows, steps = (width + 31) / 32;
+  for (int64_t g0 = 0; g0 < groups; g0 += kExpandSide) {
+    const int64_t side = std::min(kExpandSide, groups - g0);
+    const uint32_t* masks[kExpandSide];
+    for (int64_t i = 0; i < side; ++i)
+      masks[i] = a.grouped.group_masks(n / kGroupRows + g0 + i, a.K) + k0 / 32 * kGroupRows;
+    for (int64_t s = 0; s < steps; ++s)
+      for (int r = 0; r < kGroupRows; ++r)
+        for (int64_t i = 0; i < side; ++i) {
+          const uint32_t mask = masks[i][s * kGroupRows + r];
+          uint16_t* out = expanded + ((g0 + i) * kGroupRows + r) * stride + s * 32;
+          _mm512_storeu_si512(out, expand32<false, false>(mask, next[g0 + i]));
+          next[g0 + i] += __builtin_popcount(mask);
+        }
   }
 }
 
@@ -256,13 +288,24 @@ WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t row
   constexpr int64_t stride = expanded_row_stride(Chunk);
   const int64_t padded = (rows + 23) / 24 * 24;  // rows past `rows` stay zeros
   const int64_t chunks = (a.K + Chunk - 1) / Chunk;
-  const bool unchecked = loads_stay_in_layer(row_start(a, n + rows - 1), a.K, a.values_count);
-  for (int64_t r = 0; r < rows; ++r) buffers.next[r] = a.compressed + row_start(a, n + r);
+  const bool grouped = a.grouped.defined();
+  const bool unchecked =
+      grouped || loads_stay_in_layer(row_start(a, n + rows - 1), a.K, a.values_count);
+  if (grouped) {
+    for (int64_t i = 0; i * kGroupRows < rows; ++i)
+      buffers.next[i] = a.compressed + a.grouped.offsets[n / kGroupRows + i];
+  } else {
+    for (int64_t r = 0; r < rows; ++r) buffers.next[r] = a.compressed + row_start(a, n + r);
+  }
   std::memset(buffers.expanded + rows * stride, 0, (padded - rows) * stride * sizeof(uint16_t));
   Sweep sweep = sweep_of(a, n + rows, ahead_end);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t k0 = c * Chunk, width = std::min(Chunk, a.K - k0);
-    expand_chunk(a, buffers.next, n, rows, k0, width, unchecked, buffers.expanded, stride);
+    if (grouped) {
+      expand_grouped_chunk(a, buffers.next, n, rows, k0, width, buffers.expanded, stride);
+    } else {
+      expand_chunk(a, buffers.next, n, rows, k0, width, unchecked, buffers.expanded, stride);
+    }
     const int64_t lines = (sweep.lines_left() + chunks - c - 1) / (chunks - c);
     multiply_chunk<stride>(buffers.expanded, a.packed, input_pairs(a.K), k0 / 2, lanes,
                            input_pairs(width), buffers.sums, padded, c == 0, sweep, lines);

@@ -104,11 +104,10 @@ std::string brgemm_kernel() {
 }
 
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
-at::Tensor brgemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                         const at::Tensor& bitmask, const int64_t* offsets,
-                         const c10::optional<at::Tensor>& bias, int64_t in_features) {
+at::Tensor brgemm_linear(const at::Tensor& x2, const OpLayer& layer,
+                         const c10::optional<at::Tensor>& bias) {
   namespace cpublas = at::native::cpublas;
-  const int64_t tokens = x2.size(0), rows = bitmask.size(0), K = in_features;
+  const int64_t tokens = x2.size(0), rows = layer.rows, K = layer.in_features;
   const int64_t blocks = (tokens + kTokensPerBlock - 1) / kTokensPerBlock;
   // x^T packed block by block: block b holds tokens [64 b, 64 b + width_b), zero-padded to a
   // multiple of 16, as oneDNN's B
@@ -139,9 +138,7 @@ at::Tensor brgemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
     auto sums = aligned_buffer<float>(block_rows * kTokensPerBlock);
     for (int64_t block = first; block < last; ++block) {
       const int64_t r0 = block * block_rows, count = std::min(block_rows, rows - r0);
-      decompress_avx512(DecompressArgs{compressed.data_ptr(), WeightType::bf16,
-                                       bitmask.data_ptr<uint8_t>(), a_operand.get(), K, r0,
-                                       r0 + count, offsets, 0, lda});
+      decompress_avx512(layer.decompress_args(a_operand.get(), r0, r0 + count, lda));
       for (int64_t b = 0; b < blocks; ++b) {
         for (int64_t k0 = 0; k0 < K; k0 += kInputsPerProduct) {
           cpublas::brgemm(count, width[b], std::min(kInputsPerProduct, K - k0), lda, width[b],
@@ -164,8 +161,7 @@ at::Tensor brgemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
   return y;
 }
 #else
-at::Tensor brgemm_linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*,
-                         const c10::optional<at::Tensor>&, int64_t) {
+at::Tensor brgemm_linear(const at::Tensor&, const OpLayer&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "this torch has no cpublas::brgemm");
 }
 #endif

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "op_layer.h"
+
 namespace whisper_sparse {
 
 // Whether brgemm_linear runs here: torch has cpublas::brgemm with oneDNN's micro-kernel for
@@ -21,8 +23,7 @@ std::string brgemm_kernel();
 // y = x2 W^T (+ bias) in bfloat16, for x2 [M, in_features] and W bfloat16 (2:4, or unstructured
 // with row offsets): each block of W's rows is expanded once into a row-major buffer, oneDNN's
 // A operand, and multiplied by x2^T, packed once per call as its B operand, 64 tokens at a time.
-at::Tensor brgemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                         const at::Tensor& bitmask, const int64_t* offsets,
-                         const c10::optional<at::Tensor>& bias, int64_t in_features);
+at::Tensor brgemm_linear(const at::Tensor& x2, const OpLayer& layer,
+                         const c10::optional<at::Tensor>& bias);
 
 }  // namespace whisper_sparse

@@ -68,20 +68,20 @@ void bitmask_gemm_in_passes(const GemmArgs& args, int64_t rows) {
 
 // The 2:4 GEMM, or with row offsets (or `lanes`: a 2:4 layer, read by it as rows of
 // in_features / 2 values) the unstructured one.
-at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                       const at::Tensor& bitmask, const int64_t* offsets,
-                       const c10::optional<at::Tensor>& bias, int64_t in_features, bool lanes) {
-  const int64_t tokens = x2.size(0), rows = bitmask.size(0);
+at::Tensor gemm_linear(const at::Tensor& x2, const OpLayer& layer,
+                       const c10::optional<at::Tensor>& bias, bool lanes) {
+  const int64_t tokens = x2.size(0), rows = layer.rows;
   const at::Tensor bias32 = bias.has_value() && bias->defined()
                                 ? bias->to(at::kFloat).contiguous()
                                 : at::Tensor();
   at::Tensor y = at::empty({tokens, rows}, x2.options());
-  GemmArgs args{static_cast<const uint16_t*>(x2.data_ptr()), in_features,
-                static_cast<const uint16_t*>(compressed.data_ptr()), bitmask.data_ptr<uint8_t>(),
+  GemmArgs args{static_cast<const uint16_t*>(x2.data_ptr()), layer.in_features,
+                static_cast<const uint16_t*>(layer.values.data_ptr()), layer.bitmask,
                 bias32.defined() ? bias32.data_ptr<float>() : nullptr,
-                static_cast<uint16_t*>(y.data_ptr()), rows, tokens, in_features, 0, 0,
-                offsets, compressed.numel()};
-  if (offsets != nullptr || lanes) {
+                static_cast<uint16_t*>(y.data_ptr()), rows, tokens, layer.in_features, 0, 0,
+                layer.offsets, layer.values.numel()};
+  args.grouped = layer.grouped;
+  if (layer.offsets != nullptr || layer.grouped.defined() || lanes) {
     bitmask_gemm_in_passes(args, rows);
   } else {
     rows_in_parallel(gemm_avx512_bf16, args, rows);

@@ -6,14 +6,15 @@
 
 #include <cstdint>
 
+#include "op_layer.h"
+
 namespace whisper_sparse {
 
-// y = x2 W^T (+ bias) in bfloat16 for x2 [M, in_features] bfloat16 and a bfloat16 W: with row
-// offsets (an unstructured layer's) the unstructured GEMM; without, a 2:4 layer's, the 2:4
-// GEMM, or where `lanes` the unstructured one over the 2:4 rows (in_features / 2 values each).
-at::Tensor gemm_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                       const at::Tensor& bitmask, const int64_t* offsets,
-                       const c10::optional<at::Tensor>& bias, int64_t in_features,
-                       bool lanes = false);
+// y = x2 W^T (+ bias) in bfloat16 for x2 [M, in_features] bfloat16 and a bfloat16 W: an
+// unstructured layer's (row offsets, or grouped) by the unstructured GEMM; a 2:4 layer's by the
+// 2:4 GEMM, or where `lanes` the unstructured one over the 2:4 rows (in_features / 2 values
+// each).
+at::Tensor gemm_linear(const at::Tensor& x2, const OpLayer& layer,
+                       const c10::optional<at::Tensor>& bias, bool lanes = false);
 
 }  // namespace whisper_sparse

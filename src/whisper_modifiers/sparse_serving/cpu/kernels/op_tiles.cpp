@@ -20,21 +20,23 @@ WeightType weight_type(const at::Tensor& compressed) {
   return compressed.scalar_type() == at::kFloat ? WeightType::f32 : WeightType::bf16;
 }
 
-void decompress_rows(const at::Tensor& compressed, const at::Tensor& bitmask,
-                     const int64_t* offsets, int64_t in_features, int64_t begin, int64_t end,
-                     at::Tensor& out) {
-  DecompressArgs args{compressed.data_ptr(), weight_type(compressed), bitmask.data_ptr<uint8_t>(),
-                      out.data_ptr(), in_features, 0, 0, offsets, compressed.numel()};
+DecompressArgs OpLayer::decompress_args(void* out, int64_t begin, int64_t end,
+                                        int64_t out_stride) const {
+  DecompressArgs args{values.data_ptr(), weight_type(values), bitmask, out, in_features, begin,
+                      end, offsets, values.numel(), out_stride};
+  args.grouped = grouped;
+  return args;
+}
+
+void decompress_rows(const OpLayer& layer, int64_t begin, int64_t end, at::Tensor& out) {
+  const bool unstructured = layer.offsets != nullptr || layer.grouped.defined();
   const auto kernel = active_isa() >= kAvx512 ? decompress_avx512
-                      : offsets != nullptr    ? decompress_bitmask_avx2
+                      : unstructured          ? decompress_bitmask_avx2
                                               : decompress_avx2;
   at::parallel_for(begin, end, 16, [&](int64_t first, int64_t last) {
-    DecompressArgs part = args;
-    part.n_begin = first;
-    part.n_end = last;
-    part.out = static_cast<char*>(out.data_ptr()) + (first - begin) * in_features *
-                                                        out.element_size();
-    kernel(part);
+    void* part = static_cast<char*>(out.data_ptr()) +
+                 (first - begin) * layer.in_features * out.element_size();
+    kernel(layer.decompress_args(part, first, last));
   });
 }
 
@@ -64,19 +66,17 @@ at::ScalarType tile_dtype(at::ScalarType weight) {
 // Tiles [first, last) of `step` rows: each expanded into this thread's buffer (widened to the
 // GEMM's dtype in a second one where it differs) and multiplied by ATen's linear, its bias
 // added before the result is rounded, into its columns of y.
-void tiles_of_thread(const at::Tensor& x_w, const at::Tensor& compressed, const at::Tensor& bitmask,
-                     const int64_t* offsets, const c10::optional<at::Tensor>& bias_w,
-                     int64_t in_features, int64_t step, int64_t first, int64_t last,
-                     at::Tensor& y) {
-  const int64_t rows = bitmask.size(0);
-  at::Tensor tile = at::empty({step, in_features}, compressed.options());
+void tiles_of_thread(const at::Tensor& x_w, const OpLayer& layer,
+                     const c10::optional<at::Tensor>& bias_w, int64_t step, int64_t first,
+                     int64_t last, at::Tensor& y) {
+  at::Tensor tile = at::empty({step, layer.in_features}, layer.values.options());
   at::Tensor widened = tile.scalar_type() == x_w.scalar_type()
                            ? at::Tensor()
                            : at::empty_like(tile, x_w.scalar_type());
   for (int64_t index = first; index < last; ++index) {
-    const int64_t begin = index * step, count = std::min(step, rows - begin);
+    const int64_t begin = index * step, count = std::min(step, layer.rows - begin);
     at::Tensor part = tile.narrow(0, 0, count);
-    decompress_rows(compressed, bitmask, offsets, in_features, begin, begin + count, part);
+    decompress_rows(layer, begin, begin + count, part);
     const c10::optional<at::Tensor> part_bias =
         bias_w.has_value() ? c10::optional<at::Tensor>(bias_w->narrow(0, begin, count))
                            : c10::nullopt;
@@ -97,27 +97,25 @@ void tiles_of_thread(const at::Tensor& x_w, const at::Tensor& compressed, const 
 // above all: y is an inference tensor under vLLM).
 // With brgemm_tiles, in bfloat16, oneDNN's micro-kernel on smaller blocks where it runs
 // (op_brgemm.cpp).
-at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                        const at::Tensor& bitmask, const int64_t* offsets,
-                        const c10::optional<at::Tensor>& bias, int64_t in_features,
-                        bool brgemm_tiles) {
-  const int64_t rows = bitmask.size(0);
-  const auto dtype = tile_dtype(compressed.scalar_type());
+at::Tensor tiled_linear(const at::Tensor& x2, const OpLayer& layer,
+                        const c10::optional<at::Tensor>& bias, bool brgemm_tiles) {
+  const int64_t rows = layer.rows;
+  const auto dtype = tile_dtype(layer.values.scalar_type());
   const at::Tensor x_w = x2.scalar_type() == dtype ? x2 : x2.to(dtype);
-  if (brgemm_tiles && dtype == at::kBFloat16 && brgemm_runs(in_features)) {
-    return brgemm_linear(x_w, compressed, bitmask, offsets, bias, in_features);
+  if (brgemm_tiles && dtype == at::kBFloat16 && brgemm_runs(layer.in_features)) {
+    return brgemm_linear(x_w, layer, bias);
   }
   const c10::optional<at::Tensor> bias_w =
       bias.has_value() && bias->defined() ? c10::optional<at::Tensor>(bias->to(dtype))
                                           : c10::nullopt;
   at::Tensor y = at::empty({x2.size(0), rows}, x_w.options());
   const int64_t per_thread = (rows + at::get_num_threads() - 1) / at::get_num_threads();
-  const int64_t step = std::min(tile_rows(in_features, compressed.element_size(), rows),
+  const int64_t step = std::min(tile_rows(layer.in_features, layer.values.element_size(), rows),
                                 std::max<int64_t>(16, (per_thread + 15) / 16 * 16));
   const at::ThreadLocalState caller;
   at::parallel_for(0, (rows + step - 1) / step, 1, [&](int64_t first, int64_t last) {
     const at::ThreadLocalStateGuard state(caller);
-    tiles_of_thread(x_w, compressed, bitmask, offsets, bias_w, in_features, step, first, last, y);
+    tiles_of_thread(x_w, layer, bias_w, step, first, last, y);
   });
   return y;
 }

@@ -6,25 +6,18 @@
 
 #include <cstdint>
 
-#include "sparse_kernels.h"
+#include "op_layer.h"
 
 namespace whisper_sparse {
 
-// The kernels' WeightType of a layer's stored values (float32 or bfloat16; else an error).
-WeightType weight_type(const at::Tensor& compressed);
-
 // Rows [begin, end) of W expanded into out [end - begin, in_features] (W's dtype), over the
-// threads: a 2:4 layer without offsets, an unstructured one with its row offsets.
-void decompress_rows(const at::Tensor& compressed, const at::Tensor& bitmask,
-                     const int64_t* offsets, int64_t in_features, int64_t begin, int64_t end,
-                     at::Tensor& out);
+// threads.
+void decompress_rows(const OpLayer& layer, int64_t begin, int64_t end, at::Tensor& out);
 
 // y = x2 W^T (+ bias) for x2 [M, in_features]: tiles of W's rows expanded and multiplied by
 // ATen's dense GEMM, in bfloat16 where the kernels are avx512_bf16 and W is bfloat16, else in
 // float32; with brgemm_tiles, in bfloat16, oneDNN's micro-kernel where it runs (op_brgemm.cpp).
-at::Tensor tiled_linear(const at::Tensor& x2, const at::Tensor& compressed,
-                        const at::Tensor& bitmask, const int64_t* offsets,
-                        const c10::optional<at::Tensor>& bias, int64_t in_features,
-                        bool brgemm_tiles);
+at::Tensor tiled_linear(const at::Tensor& x2, const OpLayer& layer,
+                        const c10::optional<at::Tensor>& bias, bool brgemm_tiles);
 
 }  // namespace whisper_sparse

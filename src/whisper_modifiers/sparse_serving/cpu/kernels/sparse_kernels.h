@@ -18,6 +18,23 @@ namespace whisper_sparse {
 
 enum class WeightType : int { f32 = 0, bf16 = 1 };
 
+// An unstructured layer in the grouped layout (cpu/grouped_layout.py), bfloat16: rows in groups
+// of kGroupRows; per group, per step of 32 inputs, the group's rows' kept values one after
+// another (row order), the group's values from offsets[g] on (groups + 1 entries); masks
+// [groups][steps][kGroupRows] (rows past the layer's last: 0); 32 zeros after the last value.
+// Rows of the layer: rows. A kernel's row range starts on a group.
+constexpr int kGroupRows = 8;
+inline int64_t group_steps(int64_t K) { return (K + 31) / 32; }
+struct GroupedLayer {
+  const int64_t* offsets = nullptr;
+  const uint32_t* masks = nullptr;
+  int64_t rows = 0;
+  bool defined() const { return offsets != nullptr; }
+  const uint32_t* group_masks(int64_t g, int64_t K) const {
+    return masks + g * group_steps(K) * kGroupRows;
+  }
+};
+
 // A row range of y = x W^T (+ bias) for all M tokens. x is [M, K] with row stride ldx (float32,
 // or bfloat16 bits for the *_bf16 kernel), compressed [N, K / 2] of `type`, bitmask
 // [N, ceil(K / 8)] uint8; rows [n_begin, n_end). Each float32 sum, plus bias[n] where bias is
@@ -42,6 +59,7 @@ struct RowsArgs {
   // row_offsets[n] on, as many per group of inputs as its mask bits; values_count in all.
   const int64_t* row_offsets = nullptr;
   int64_t values_count = 0;
+  GroupedLayer grouped;  // a grouped layer's (bitmask and row_offsets unused)
 };
 
 // float32 to bfloat16, to nearest even, a NaN to 0x7FC0: as torch rounds (c10::BFloat16).
@@ -104,6 +122,7 @@ struct DecompressArgs {
   const int64_t* row_offsets = nullptr;
   int64_t values_count = 0;
   int64_t out_stride = 0;
+  GroupedLayer grouped;  // a grouped layer's (bitmask and row_offsets unused)
   // Where row n starts in out, in elements.
   int64_t out_row(int64_t n) const { return (n - n_begin) * (out_stride > 0 ? out_stride : K); }
 };
@@ -114,12 +133,13 @@ void rows_avx2(const RowsArgs& args);
 void decompress_avx2(const DecompressArgs& args);
 
 // avx2_bitmask.cpp: unstructured rows (RowsArgs::row_offsets) on AVX2 + FMA; x float32; a
-// table per bitmask byte places up to eight kept values; and their dense rows.
+// table per bitmask byte places up to eight kept values; and their dense rows (a grouped
+// layer's too: DecompressArgs::grouped).
 void rows_bitmask_avx2(const RowsArgs& args);
 void decompress_bitmask_avx2(const DecompressArgs& args);
 
 // avx512.cpp: AVX-512 F/BW/VL/VBMI2; x float32; masked expand-loads place the kept values
-// (2:4 and unstructured rows; the dense rows of both).
+// (2:4 and unstructured rows; the dense rows of both, and of a grouped layer).
 void rows_avx512(const RowsArgs& args);
 void decompress_avx512(const DecompressArgs& args);
 
@@ -127,6 +147,11 @@ void decompress_avx512(const DecompressArgs& args);
 // with AVX512_BF16's vdpbf16ps (32 inputs per instruction, float32 accumulators); unstructured
 // rows for more than 8 tokens expand each chunk of inputs once, into an L1 buffer.
 void rows_avx512_bf16(const RowsArgs& args);
+
+// avx512_bf16_grouped.cpp: a grouped layer's rows (RowsArgs::grouped; n_begin on a group) for
+// bfloat16 x: each group read as one stream, its kGroupRows rows side by side, tiles of two
+// tokens.
+void rows_grouped_avx512_bf16(const RowsArgs& args);
 
 // The 2:4 GEMM, y = x W^T (+ bias), for bfloat16 x and weights, which multiplies the kept
 // values only: per group of four inputs, each row's two kept values meet the two inputs they
@@ -153,6 +178,7 @@ struct GemmArgs {
   const int64_t* row_offsets = nullptr;
   int64_t values_count = 0;
   const uint32_t* packed = nullptr;
+  GroupedLayer grouped;  // a grouped layer's (bitmask and row_offsets unused)
 };
 
 // avx512_bf16_gemm.cpp (AVX-512 F/BW/VL/VBMI2 with BF16)
