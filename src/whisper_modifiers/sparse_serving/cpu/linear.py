@@ -55,6 +55,7 @@ class _CpuCompressedLinear(torch.nn.Module):
     plan, and ``forward``."""
 
     layout = ""
+    kept_values: int | None = None  # an unstructured layer's, for its density
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device,
                  plan: CpuPlan | None):  # fmt: skip
@@ -76,7 +77,10 @@ class _CpuCompressedLinear(torch.nn.Module):
         return self.plan
 
     def density(self) -> float | None:
-        return None
+        """The share of the weight kept (None: a 2:4 layer)."""
+        if self.kept_values is None:
+            return None
+        return _density(self.kept_values, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         paths = "paths not measured yet" if self.plan is None else self.plan.describe()
@@ -155,9 +159,6 @@ class CpuBitmaskLinear(_CpuCompressedLinear):
         module.shape = _frozen(torch.tensor([[rows], [in_features]]))
         return module
 
-    def density(self) -> float:
-        return _density(self.kept_values, self.out_features, self.in_features)
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""
         plan = self.plan or self.plan_paths()
@@ -191,9 +192,6 @@ class CpuGroupedLinear(_CpuCompressedLinear):
         module.group_offsets = _frozen(group_offsets)
         module.shape = _frozen(torch.tensor([[rows], [in_features]]))
         return module
-
-    def density(self) -> float:
-        return _density(self.kept_values, self.out_features, self.in_features)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` (vLLM passes the bias itself)."""

@@ -102,7 +102,7 @@ void check_grouped_layer(const at::Tensor& values, const at::Tensor& group_masks
   TORCH_CHECK(group_offsets.scalar_type() == at::kLong && group_offsets.dim() == 1 &&
                   group_offsets.size(0) == groups + 1 && group_offsets.is_contiguous(),
               "group_offsets must be a contiguous [", groups + 1, "] int64 tensor");
-  TORCH_CHECK(values.numel() >= group_offsets[groups].item<int64_t>() + 32,
+  TORCH_CHECK(values.numel() >= group_offsets.data_ptr<int64_t>()[groups] + 32,
               "values must hold 32 values past the last group's");
 }
 
