@@ -332,7 +332,7 @@ void check_grouped(const std::vector<float>& dense, const std::vector<uint8_t>& 
       expect(same, "decompress grouped", rows, columns, begin);
     }
   }
-  for (int64_t tokens : {int64_t(1), int64_t(2), int64_t(5), int64_t(9)}) {
+  for (int64_t tokens : {int64_t(1), int64_t(2), int64_t(7), int64_t(9)}) {
     const std::vector<float> x = random_x(tokens, columns, draw);
     const std::vector<float> expected = products(x, dense, rows, columns, tokens);
     std::vector<uint16_t> x_bf16(tokens * columns);

@@ -149,8 +149,8 @@ void decompress_avx512(const DecompressArgs& args);
 void rows_avx512_bf16(const RowsArgs& args);
 
 // avx512_bf16_grouped.cpp: a grouped layer's rows (RowsArgs::grouped; n_begin on a group) for
-// bfloat16 x: each group read as one stream, its kGroupRows rows side by side, tiles of two
-// tokens.
+// bfloat16 x: each group read as one stream, its kGroupRows rows side by side; tiles of four
+// tokens over half the group's rows at a time, then two tokens or one over all of them.
 void rows_grouped_avx512_bf16(const RowsArgs& args);
 
 // The 2:4 GEMM, y = x W^T (+ bias), for bfloat16 x and weights, which multiplies the kept
