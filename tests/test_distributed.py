@@ -73,31 +73,44 @@ def _need(job) -> int:
     return 2 if command[:3] == TORCHRUN[:3] else 1
 
 
+RUNS = {
+    "one": [],
+    "batch4": ["--batch-size", "4"],
+    "layerwise": LAYERWISE,
+    "sdpa": [*LAYERWISE, *SDPA],
+    "two": [],
+    "layerwise_two": LAYERWISE,
+    "sdpa_two": [*LAYERWISE, *SDPA],
+    "held_back": DEFERRING,
+    "layerwise_held_back": [*LAYERWISE, *DEFERRING],
+}
+"""The fixture's runs: each one's worker options (``--then`` joins runs in one process)."""
+PROCESSES = {"single_a": ["one", "batch4"], "single_b": ["layerwise", "sdpa"],
+             "torchrun": ["two", "layerwise_two", "sdpa_two", "held_back",
+                          "layerwise_held_back"]}  # fmt: skip
+"""The runs' processes: two single ones side by side, then one ``torchrun`` of two ranks
+(each process pays its imports once; the processes are fresh, as the runs need)."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
-    commands = {
-        "one": [sys.executable, str(WORKER), str(root / "one.pt")],
-        "batch4": [sys.executable, str(WORKER), str(root / "batch4.pt"), "--batch-size", "4"],
-        "two": [*TORCHRUN, str(WORKER), str(root / "two.pt")],
-        "layerwise": [sys.executable, str(WORKER), str(root / "layerwise.pt"), *LAYERWISE],
-        "layerwise_two": [*TORCHRUN, str(WORKER), str(root / "layerwise_two.pt"), *LAYERWISE],
-        "sdpa": [sys.executable, str(WORKER), str(root / "sdpa.pt"), *LAYERWISE, *SDPA],
-        "sdpa_two": [*TORCHRUN, str(WORKER), str(root / "sdpa_two.pt"), *LAYERWISE, *SDPA],
-        "held_back": [*TORCHRUN, str(WORKER), str(root / "held_back.pt"), *DEFERRING],
-        "layerwise_held_back": [*TORCHRUN, str(WORKER), str(root / "layerwise_held_back.pt"),
-                                *LAYERWISE, *DEFERRING],
-    }  # fmt: skip
-    # the model's SDPA on a CPU too (layerwise_pipeline.attention_implementation)
-    jobs = {name: (command, {"LOG": str(root / f"{name}.log"), "WHISPER_LAYERWISE_ATTENTION":
-                             "model" if SDPA[1] in command else "auto"})
-            for name, command in commands.items()}  # fmt: skip
+    jobs = {}
+    for process, names in PROCESSES.items():
+        launcher = TORCHRUN if process == "torchrun" else [sys.executable]
+        words = []
+        for name in names:  # the model's SDPA on a CPU too (layerwise_pipeline's variable)
+            attention = "model" if SDPA[1] in RUNS[name] else "auto"
+            words += [*(["--then"] if words else []), str(root / f"{name}.pt"), *RUNS[name],
+                      "--layerwise-attention", attention]  # fmt: skip
+        jobs[process] = ([*launcher, str(WORKER), *words], {"LOG": str(root / f"{process}.log")})
     finished = run_side_by_side(jobs)
     results = {}
-    for name in commands:
-        returncode, output = finished[name]
-        assert returncode == 0, f"{name}: " + output[-6000:]
-        results[name] = torch.load(root / f"{name}.pt", weights_only=False)
+    for process, names in PROCESSES.items():
+        returncode, output = finished[process]
+        assert returncode == 0, f"{process}: " + output[-6000:]
+        for name in names:
+            results[name] = torch.load(root / f"{name}.pt", weights_only=False)
     return results
 
 
@@ -185,19 +198,22 @@ def test_layerwise_pipeline_with_sdpa_splits_over_ranks_bit_for_bit(runs):
 
 def test_same_seed_same_masks_run_to_run_for_every_method(tmp_path):
     """Two fresh processes, every method of ``methods.METHODS`` at 2:4 and 50 %; a third
-    under ``whisper_layerwise`` (eager attention) gives the same bits too."""
+    run under ``whisper_layerwise`` (eager attention, after the second in its process)
+    gives the same bits too."""
     from whisper_modifiers.methods import METHODS as ALL_METHODS
 
-    runs = (("first", []), ("second", []), ("layerwise", LAYERWISE))
-    jobs = {name: ([sys.executable, str(WORKER), str(tmp_path / f"{name}.pt"), "--methods",
-                    *ALL_METHODS, "--num-sequences", "8", *pipeline],
-                   {"LOG": str(tmp_path / f"{name}.log")}) for name, pipeline in runs}  # fmt: skip
+    options = ["--methods", *ALL_METHODS, "--num-sequences", "8"]
+    first, second, layerwise = (str(tmp_path / f"{name}.pt") for name in
+                                ("first", "second", "layerwise"))  # fmt: skip
+    jobs = {"first": ([sys.executable, str(WORKER), first, *options],
+                      {"LOG": str(tmp_path / "first.log")}),
+            "second": ([sys.executable, str(WORKER), second, *options, "--then", layerwise,
+                        *options, *LAYERWISE], {"LOG": str(tmp_path / "second.log")})}  # fmt: skip
     finished = run_side_by_side(jobs)
-    results = []
-    for name in jobs:  # first, second, layerwise
-        returncode, output = finished[name]
+    for name, (returncode, output) in finished.items():
         assert returncode == 0, f"{name}: " + output[-6000:]
-        results.append(torch.load(tmp_path / f"{name}.pt", weights_only=False)["results"])
+    results = [torch.load(path, weights_only=False)["results"]
+               for path in (first, second, layerwise)]  # fmt: skip
     first = results[0]
     for other in results[1:]:
         assert first.keys() == other.keys() and len(first) == 2 * len(ALL_METHODS)
