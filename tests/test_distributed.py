@@ -20,9 +20,6 @@ import torch
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, REPO
 from distributed_worker import METHODS
 
-# Run alone, after the parallel part of the test command (README: ``-m serial``).
-pytestmark = pytest.mark.serial
-
 WORKER = REPO / "tests" / "distributed_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 LAYERWISE = ["--pipeline", "whisper_layerwise"]
