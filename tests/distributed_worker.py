@@ -85,15 +85,56 @@ def prune_every_method(args) -> dict:
     """``args.methods`` at each of ``SPARSITIES``: masks, pairs, perplexity, gamma choices."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import whisper_modifiers.modifiers.pairing as pairing_module
     from whisper_modifiers.data import calibration_dataset
     from whisper_modifiers.evaluation import perplexity
     from whisper_modifiers.methods import build_recipe, run_oneshot
     from whisper_modifiers.modifiers import distributed
 
-    rank = distributed.rank()
-    pairs = {}
-    drawn = pairing_module.pair_permutations
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:100_000]
+    dataset = calibration_dataset(tokenizer, text, args.num_sequences, 64, seed=0)
+    heldout = tokenizer(HELDOUT_TEXT.read_text(encoding="utf-8"))["input_ids"]
+    results = {}
+    for method in args.methods:
+        for label, sparsity, structure in SPARSITIES:
+            model = AutoModelForCausalLM.from_pretrained(
+                MODEL_DIR, dtype=torch.float32, attn_implementation=args.attention
+            )
+            name, _, fields = method.partition(":")
+            options = dict(field.split("=") for field in fields.split(";") if field)
+            recipe = build_recipe(name, sparsity, structure, seed=0, **options)
+            pipeline = {"pipeline": args.pipeline} if args.pipeline else {}
+            with recorded_pairs() as pairs:
+                run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size,
+                            **pipeline)  # fmt: skip
+            everyone = [None] * distributed.world_size()
+            if distributed.is_distributed():
+                dist.all_gather_object(everyone, pairs)
+            else:
+                everyone = [pairs]
+            selection = getattr(recipe[0], "gamma_selection", dict)()
+            results[f"{method}/{label}"] = {
+                "masks": {name: module.weight.detach() != 0
+                          for name, module in model.named_modules()
+                          if isinstance(module, torch.nn.Linear)},
+                "pairs": {key: value for part in everyone for key, value in part.items()},
+                "pairs_per_rank": [len(part) for part in everyone],
+                "perplexity": perplexity(model, heldout, 64, 8),
+                "gamma": {name: choice["gamma"] for name, choice in selection.items()},
+                "model_checks": {name: choice.get("model_check")
+                                 for name, choice in selection.items()},
+            }  # fmt: skip
+    return results
+
+
+@contextlib.contextmanager
+def recorded_pairs():
+    """Yields a dict into which ``pairing.pair_permutations`` records each draw (by seed);
+    on rank ``$WHISPER_MODIFIERS_FAIL_RANK`` a draw raises. The function is restored after."""
+    import whisper_modifiers.modifiers.pairing as pairing_module
+    from whisper_modifiers.modifiers import distributed
+
+    rank, pairs, drawn = distributed.rank(), {}, pairing_module.pair_permutations
 
     def recording(seq_len, num_permutations, seed):
         permutations = drawn(seq_len, num_permutations, seed)
@@ -103,47 +144,10 @@ def prune_every_method(args) -> dict:
         return permutations
 
     pairing_module.pair_permutations = recording
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:100_000]
-    dataset = calibration_dataset(tokenizer, text, args.num_sequences, 64, seed=0)
-    heldout = tokenizer(HELDOUT_TEXT.read_text(encoding="utf-8"))["input_ids"]
-    results = {}
     try:
-        for method in args.methods:
-            for label, sparsity, structure in SPARSITIES:
-                pairs.clear()
-                model = AutoModelForCausalLM.from_pretrained(
-                    MODEL_DIR, dtype=torch.float32, attn_implementation=args.attention
-                )
-                name, _, fields = method.partition(":")
-                options = dict(field.split("=") for field in fields.split(";") if field)
-                recipe = build_recipe(name, sparsity, structure, seed=0, **options)
-                pipeline = {"pipeline": args.pipeline} if args.pipeline else {}
-                run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size,
-                            **pipeline)  # fmt: skip
-                everyone = [None] * distributed.world_size()
-                if distributed.is_distributed():
-                    dist.all_gather_object(everyone, pairs)
-                else:
-                    everyone = [pairs]
-                masks = {
-                    name: module.weight.detach() != 0
-                    for name, module in model.named_modules()
-                    if isinstance(module, torch.nn.Linear)
-                }
-                selection = getattr(recipe[0], "gamma_selection", dict)()
-                results[f"{method}/{label}"] = {
-                    "masks": masks,
-                    "pairs": {key: value for part in everyone for key, value in part.items()},
-                    "pairs_per_rank": [len(part) for part in everyone],
-                    "perplexity": perplexity(model, heldout, 64, 8),
-                    "gamma": {name: choice["gamma"] for name, choice in selection.items()},
-                    "model_checks": {name: choice.get("model_check")
-                                     for name, choice in selection.items()},
-                }  # fmt: skip
+        yield pairs
     finally:
         pairing_module.pair_permutations = drawn
-    return results
 
 
 @contextlib.contextmanager
