@@ -22,6 +22,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -66,15 +67,10 @@ def main(argv: list[str]) -> int:
 
     distributed.init_from_torchrun()
     for args in runs:
-        saved = os.environ.get(ATTENTION_VARIABLE)
-        if args.layerwise_attention:
-            os.environ[ATTENTION_VARIABLE] = args.layerwise_attention
-        with held_back(args.slow_rank == distributed.rank()):
+        choice = args.layerwise_attention
+        attention = mock.patch.dict(os.environ, {ATTENTION_VARIABLE: choice} if choice else {})
+        with attention, held_back(args.slow_rank == distributed.rank()):
             results = prune_every_method(args)
-        if saved is None:
-            os.environ.pop(ATTENTION_VARIABLE, None)
-        else:
-            os.environ[ATTENTION_VARIABLE] = saved
         if distributed.rank() == 0:
             torch.save({"world_size": distributed.world_size(), "results": results}, args.out)
     distributed.finish()

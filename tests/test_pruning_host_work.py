@@ -1,5 +1,5 @@
-"""Work on the host that grows with the model or the data, counted on a CPU with
-``torch.profiler`` (issue 50: the GPU pruning run's time went to such work).
+"""Work on the host that grows with the model or the data, counted on a CPU (issue 50: the
+GPU pruning run's time went to such work).
 
 Calls are counted by a ``TorchDispatchMode`` (every aten op that reaches a kernel from this
 thread), not ``torch.profiler``: the profiler made a stories260K ``oneshot`` about 30x
