@@ -505,6 +505,31 @@ def test_an_unstructured_plan_is_measured_on_each_path_that_runs(dtype):
         assert plan.gemm_from == NO_TILES
 
 
+def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(monkeypatch):
+    """Where the grouped layout does not run (float32 here), the plan times the op over the
+    rows spread as ``CpuBitmaskLinear.from_compressed`` holds them (``cpu.row_spread``), not
+    over the format's rows back to back: 25 % of 4096 float32 inputs is 4 KiB a row."""
+    from whisper_modifiers.sparse_serving.cpu import plans as cpu_plans
+    from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear
+    from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+
+    seen = []
+
+    def recording(x, values, bitmask, row_offsets, bias, in_features, *thresholds):
+        seen.append((values.numel(), row_offsets.clone()))
+        return x.new_zeros(*x.shape[:-1], bitmask.shape[0])
+
+    weight = cpu_plans.random_unstructured(8, 4096, torch.float32, 0.25)
+    monkeypatch.setattr(cpu_plans, "bitmask_cpu_linear", recording)
+    monkeypatch.setattr(cpu_plans, "random_unstructured",
+                        lambda rows, columns, dtype, density: weight)  # fmt: skip
+    cpu_plans.measure_cpu_plan(8, 4096, torch.float32, ladder=(1,), density=0.25)
+    served = CpuBitmaskLinear.from_compressed(*compress_bitmask(weight), 4096)
+    assert seen and served.compressed.numel() > compress_bitmask(weight)[0].numel()
+    assert {numel for numel, _ in seen} == {served.compressed.numel()}
+    assert all(torch.equal(offsets, served.row_offsets) for _, offsets in seen)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_bitmask_linear_runs_the_op_on_its_plan(dtype, tmp_path, monkeypatch):
     """``CpuBitmaskLinear`` over a layer's stored tensors (int32 offsets, as the legacy

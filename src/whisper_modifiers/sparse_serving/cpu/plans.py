@@ -46,6 +46,7 @@ from whisper_modifiers.sparse_serving.cpu.op import (
     grouped_layout_runs,
     sparse24_cpu_linear,
 )
+from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
 from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
 from whisper_modifiers.sparse_serving.format.two_four import compress_24
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE
@@ -69,7 +70,7 @@ __all__ = [
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256, 512)
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
-PLAN_VERSION = 6
+PLAN_VERSION = 7  # 7: unstructured rows timed spread, as served
 DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
 PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
 # (tiled_from, gemm_from, lanes_until, brgemm_until) of the op that takes each path at every
@@ -177,7 +178,8 @@ def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
 def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
               density: float | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """A random weight of the layout (2:4 where ``density`` is None, else unstructured at
-    ``density``, grouped where the served modules are: ``grouped_layout_runs``) and, by
+    ``density``, held as the served modules hold it: grouped where ``grouped_layout_runs``,
+    else its rows spread, ``cpu.row_spread``) and, by
     path, ``run(x)`` of the op on it (the GEMMs where they run; "lanes", the unstructured
     GEMM over a 2:4 layer's rows, for 2:4 layers)."""
     paths = _measured_paths(dtype, density)
@@ -193,6 +195,7 @@ def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
         return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: grouped_cpu_linear(
             x, *grouped, None, in_features, out_features, *bitmask_thresholds(t))
             for path in paths}  # fmt: skip
+    values, row_offsets = spread_for_op(values, row_offsets)  # as CpuBitmaskLinear holds them
     return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: bitmask_cpu_linear(
         x, values, bitmask, row_offsets, None, in_features, *bitmask_thresholds(t))
         for path in paths}  # fmt: skip
