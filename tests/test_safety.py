@@ -401,12 +401,14 @@ def test_nan_pruned_perplexity_is_an_error_not_a_checkpoint(workspace, capsys, m
 # -- leftovers --------------------------------------------------------------------------
 
 _KILLED_DURING_SAVE = """
-import os, signal, sys, time
+import signal, sys, time
 import whisper_modifiers.checkpoint as checkpoint
 from whisper_modifiers.cli import main
 
 def write_record(directory, record):  # the signal arrives in the middle of saving
-    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    # to this thread (os.kill's could go to a torch thread: SIGINT's KeyboardInterrupt then
+    # waits for the main thread's sleep to end)
+    signal.raise_signal(getattr(signal, sys.argv[1]))
     time.sleep(30)
 
 checkpoint.write_record = write_record

@@ -396,8 +396,13 @@ def test_int8_saturation_is_detected_and_the_exact_path_is_exact(isa_cap):
     assert (saturates == "True") == (float(stock) > 1e-3)
 
 
-def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
-    ckpt = checkpoint("whisper_2of4")  # compressed 2:4, through the plugin
+def test_openai_server_answers_completions(checkpoint, tokenizer, tmp_path, capsys):
+    """whisper-serve's command and server (vLLM's OpenAI server, the plugin loaded) on
+    Whisper 50 %, the bitmask layout (the compressed 2:4 layout's server runs in
+    ``test_serve_small_example``): plain requests and the openai client's completions and
+    chat, the greedy completion transformers' on the same checkpoint."""
+    ckpt = checkpoint("whisper_50")
+    capsys.readouterr()  # the pruning's log, where this test built the checkpoint
     argv = [str(ckpt), "--port", "8123", "--dry-run", "--", "--max-num-seqs", "2"]
     assert whisper_serve(argv) == 0
     command, names = capsys.readouterr().out.splitlines()
@@ -407,6 +412,11 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
     assert command.endswith(f"--port 8123 --dtype {dtype} --served-model-name {ckpt} ckpt "
                             "--enforce-eager --max-num-seqs 2")  # fmt: skip
     assert names == f"requests name the model {str(ckpt)!r} (or 'ckpt')"
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    with torch.no_grad():
+        expected = load_checkpoint(ckpt).eval().generate(torch.tensor([ids]), max_new_tokens=8,
+                                                         do_sample=False)  # fmt: skip
+    expected = tokenizer.decode(expected[0, len(ids) :], skip_special_tokens=True)
 
     with Server(ckpt, max_model_len=256, log=tmp_path / "server.log",
                 start_timeout=VLLM_TIMEOUT) as server:  # fmt: skip
@@ -417,13 +427,14 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
             assert answer["usage"]["completion_tokens"] > 0
             texts.append(answer["choices"][0]["text"])
         assert all(texts) and texts[0] == texts[2]  # greedy: the same prompt, the same text
+        assert texts[0] == expected  # 8 tokens (greedy, no end of text) as transformers'
         # a real client: the openai package against the OpenAI-compatible server
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120,
                                max_retries=0)  # fmt: skip
         completion = client.completions.create(model="ckpt", prompt=PROMPTS[0], max_tokens=8,
                                                temperature=0.0)  # the directory's name  # fmt: skip
         assert completion.choices[0].text == texts[0]
-        assert completion.usage.completion_tokens > 0
+        assert completion.usage.completion_tokens == 8
         chat = client.chat.completions.create(
             model=str(ckpt), max_tokens=8, temperature=0.0,
             messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -433,22 +444,6 @@ def test_openai_server_answers_completions(checkpoint, tmp_path, capsys):
         process = server.process
     assert process.returncode is not None  # stopped
     assert not server.healthy()
-
-
-def test_openai_server_serves_an_unstructured_checkpoint(checkpoint, tokenizer, tmp_path):
-    """whisper-serve's server (vLLM's OpenAI server, the plugin loaded) on Whisper 50 %, the
-    bitmask layout: its greedy completion is transformers' on the same checkpoint."""
-    ckpt = checkpoint("whisper_50")
-    ids = tokenizer(PROMPTS[0])["input_ids"]
-    model = load_checkpoint(ckpt).eval()
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    expected = expected[0, len(ids) :]
-    with Server(ckpt, max_model_len=256, log=tmp_path / "server.log",
-                start_timeout=VLLM_TIMEOUT) as server:  # fmt: skip
-        answer = server.complete(PROMPTS[0], max_tokens=8)
-    assert answer["usage"]["completion_tokens"] == 8
-    assert answer["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_serve_small_example(tmp_path, monkeypatch, capsys, source_model):
