@@ -8,14 +8,20 @@ import math
 import pytest
 import torch
 
-from conftest import CALIBRATION_TEXT, load_model, two_of_four_by_magnitude
+from conftest import CALIBRATION_TEXT, SHARED, load_model, two_of_four_by_magnitude
 from whisper_modifiers.data import (
     calibration_dataset,
     embedded_text,
     load_corpus,
     sample_sequences,
 )
-from whisper_modifiers.evaluation import downstream, perplexity, wikitext2_test_text
+from whisper_modifiers.evaluation import (
+    downstream,
+    leading_token_ids,
+    perplexity,
+    wikitext2_test_text,
+)
+from whisper_modifiers.models import embedded_model_dir
 
 
 def test_sampled_sequences_are_contiguous_windows_and_seeded():
@@ -80,6 +86,47 @@ def test_perplexity_by_hand():
     )
     with pytest.raises(ValueError, match="no window"):
         perplexity(model, tokens[:3], 4)
+
+
+class RecordingTokenizer:
+    """``tokenizer``'s ids, and the length of every text it was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, text, add_special_tokens=False):
+        self.lengths.append(len(text))
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "stories260K"])
+def test_leading_token_ids_are_the_whole_texts_from_a_prefix(which, tokenizer):
+    """whisper-prune's evaluation windows: the first ids of the whole WikiText-2 test text
+    (SmolLM2's byte-level BPE; stories260K's SentencePiece), got from a prefix of it."""
+    from transformers import AutoTokenizer
+
+    if which == "smollm2":
+        tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    text = wikitext2_test_text(SHARED / "data" / "wikitext-2-raw-v1" / "test_rows.json")
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for count in (1, 255, 4096, 16 * 4096):
+        recording = RecordingTokenizer(tokenizer)
+        assert leading_token_ids(recording, text, count) == whole[:count], count
+        assert sum(recording.lengths) < len(text), (count, recording.lengths)
+    assert leading_token_ids(tokenizer, text, None) == whole
+    assert leading_token_ids(tokenizer, text, len(whole) + 1) == whole  # all it holds
+
+
+def test_leading_token_ids_take_the_whole_text_where_prefixes_disagree():
+    """A tokenizer whose first id depends on the whole text (no real one does): no prefix
+    agrees with the next, so the whole text is tokenized."""
+
+    def first_id_is_the_length(text, add_special_tokens=False):
+        return {"input_ids": [len(text), *map(ord, text)]}
+
+    text = "\n\n".join(f"row {i} " * 20 for i in range(400))
+    got = leading_token_ids(first_id_is_the_length, text, 100)
+    assert got == first_id_is_the_length(text)["input_ids"][:100]
 
 
 def test_wikitext2_rows_file(tmp_path):

@@ -136,9 +136,10 @@ def _tokenize_texts(plan: Plan) -> None:
         ) from error
     plan.sequences = calibration_sequences(plan.tokenizer, calibration_text, args.calibration,
                                            args.num_sequences, args.seq_len, args.seed)  # fmt: skip
-    plan.eval_ids = plan.tokenizer(eval_text, add_special_tokens=False)["input_ids"]
     plan.bos = plan.tokenizer.bos_token_id if args.eval_bos else None
     plan.windows = args.eval_windows or None
+    needed = plan.windows * (args.eval_seq_len - (plan.bos is not None)) if plan.windows else None
+    plan.eval_ids = evaluation.leading_token_ids(plan.tokenizer, eval_text, needed)
     try:
         plan.num_windows = len(
             evaluation.evaluation_windows(plan.eval_ids, args.eval_seq_len, plan.windows, plan.bos)
