@@ -405,11 +405,16 @@ import signal, sys, time
 import whisper_modifiers.checkpoint as checkpoint
 from whisper_modifiers.cli import main
 
+# Ctrl-C's KeyboardInterrupt, as in a terminal: a process started in the background by a
+# shell without job control (a CI runner's) inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 def write_record(directory, record):  # the signal arrives in the middle of saving
     # to this thread (os.kill's could go to a torch thread: SIGINT's KeyboardInterrupt then
     # waits for the main thread's sleep to end)
     signal.raise_signal(getattr(signal, sys.argv[1]))
     time.sleep(30)
+    raise SystemExit("NOT STOPPED: the signal did not stop the save")
 
 checkpoint.write_record = write_record
 sys.exit(main(sys.argv[2:]))
@@ -424,6 +429,7 @@ def test_signal_during_save_leaves_nothing(workspace, signal_name, code):
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert done.returncode != 0 and (code is None or done.returncode == code), done.stderr[-2000:]
+    assert "NOT STOPPED" not in done.stderr, done.stderr[-2000:]
     assert not out.exists()
     assert not [p for p in workspace.iterdir() if p.name.startswith(".ckpt")]
 
