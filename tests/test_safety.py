@@ -405,8 +405,8 @@ import signal, sys, time
 import whisper_modifiers.checkpoint as checkpoint
 from whisper_modifiers.cli import main
 
-# Ctrl-C's KeyboardInterrupt, as in a terminal: a process started in the background by a
-# shell without job control (a CI runner's) inherits SIGINT ignored
+# Ctrl-C's KeyboardInterrupt, as in a terminal: a command a shell without job control
+# starts in the background (`cmd &`, as CI may be run) inherits SIGINT ignored
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def write_record(directory, record):  # the signal arrives in the middle of saving
