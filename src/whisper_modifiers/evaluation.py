@@ -17,6 +17,7 @@ __all__ = [
     "leading_token_ids",
     "perplexity",
     "wikitext2_test_text",
+    "window_body",
 ]
 
 # The paper's suite (Open LLM Leaderboard v1-like): task -> number of few-shot examples.
@@ -92,6 +93,12 @@ PREFIX_MARGIN_TOKENS = 64
 """Ids a prefix must give beyond those asked for before its first ids are checked."""
 
 
+def window_body(seq_len: int, bos_token_id: int | None = None) -> int:
+    """Corpus tokens in one evaluation window of ``seq_len``: all of them, or all but the
+    BOS that starts it."""
+    return seq_len - (bos_token_id is not None)
+
+
 def evaluation_windows(
     token_ids: torch.Tensor | list[int],
     seq_len: int,
@@ -102,7 +109,7 @@ def evaluation_windows(
     dropped), each starting with ``bos_token_id`` when given; only the first
     ``max_windows`` when given."""
     token_ids = torch.as_tensor(token_ids).reshape(-1)
-    body = seq_len - (bos_token_id is not None)
+    body = window_body(seq_len, bos_token_id)
     num_windows = token_ids.numel() // body
     if max_windows is not None:
         num_windows = min(num_windows, max_windows)

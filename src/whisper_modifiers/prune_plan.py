@@ -138,8 +138,10 @@ def _tokenize_texts(plan: Plan) -> None:
                                            args.num_sequences, args.seq_len, args.seed)  # fmt: skip
     plan.bos = plan.tokenizer.bos_token_id if args.eval_bos else None
     plan.windows = args.eval_windows or None
-    needed = plan.windows * (args.eval_seq_len - (plan.bos is not None)) if plan.windows else None
-    plan.eval_ids = evaluation.leading_token_ids(plan.tokenizer, eval_text, needed)
+    body = evaluation.window_body(args.eval_seq_len, plan.bos)
+    plan.eval_ids = evaluation.leading_token_ids(
+        plan.tokenizer, eval_text, plan.windows * body if plan.windows else None
+    )
     try:
         plan.num_windows = len(
             evaluation.evaluation_windows(plan.eval_ids, args.eval_seq_len, plan.windows, plan.bos)
@@ -148,7 +150,7 @@ def _tokenize_texts(plan: Plan) -> None:
         raise UsageError(
             f"--eval-text {args.eval_text!r} is too short for one --eval-seq-len "
             f"{args.eval_seq_len} window: {error}; it needs at least "
-            f"{args.eval_seq_len - (plan.bos is not None)} tokens"
+            f"{body} tokens"
         ) from error
     if plan.windows and plan.num_windows < plan.windows:
         logger.warning(f"--eval-windows {plan.windows}: --eval-text holds {plan.num_windows} "
