@@ -21,7 +21,8 @@ from whisper_modifiers import (
     RIAWispModifier,
     RIAWispPlusModifier,
 )
-from whisper_modifiers.solvers import alps_prune, prune_mask, ria_scores
+from whisper_modifiers.alps import alps_prune
+from whisper_modifiers.solvers import prune_mask, ria_scores
 
 # -- RIA ------------------------------------------------------------------------------
 

@@ -17,11 +17,12 @@ from llmcompressor.utils.metric_logging import CompressionLogger
 from loguru import logger
 from pydantic import Field
 
+from whisper_modifiers.alps import alps_prune
 from whisper_modifiers.modifiers.base import DifferencePruningBase, Gamma
 from whisper_modifiers.modifiers.calibration_statistics import CalibrationStatistics
 from whisper_modifiers.modifiers.distributed import solve_on_owners
 from whisper_modifiers.selection import WHISPER_GAMMA_CANDIDATES
-from whisper_modifiers.solvers import alps_prune, sparsegpt_prune_batch
+from whisper_modifiers.solvers import sparsegpt_prune_batch
 from whisper_modifiers.statistics import centered, regularized_difference_hessian
 
 __all__ = ["ALPSModifier", "ALPSWhisperModifier", "WhisperModifier"]
@@ -176,7 +177,7 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
 class ALPSWhisperModifier(WhisperModifier):
     """ALPS-Whisper (paper Appendix "Composability"): the ALPS solver (ADMM on the
     ridge-regularised reconstruction objective, then conjugate gradient on the fixed
-    support; ``solvers.alps_prune``) with Whisper's ``H~`` on the ``difference_targets``
+    support; ``alps.alps_prune``) with Whisper's ``H~`` on the ``difference_targets``
     and ``H`` elsewhere.  The ridge is ``lambda_2 = dampening_frac * mean(diag H)``.
     Unstructured sparsity uses one threshold per layer, as ALPS does.
 
