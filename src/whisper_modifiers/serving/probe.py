@@ -198,43 +198,10 @@ def serving_plan(checkpoint: str | Path, python: str | Path | None = None,
     if not on_cpu():
         return ServingPlan(dtype or "auto")
     python = serving_python(python)
-    ours = is_ours(config.get("quantization_config"))
-    if not ours and _dynamic_fp8(scheme_config(config)):  # refused before any engine starts
-        kernel = capabilities(python)["fp8_dynamic_kernel"]
-        if kernel.endswith("(emulated)"):
-            raise ServingUnavailable(
-                f"{checkpoint}: vLLM runs this checkpoint's FP8 layers on this CPU only "
-                f"through its emulated path ({kernel.split()[0]}, torch._scaled_mm on the "
-                "CPU: 10 decoded tokens/s on SmolLM2-135M where dequantized weights gave "
-                "190, docs/serving.md); save the chain in the compressed 2:4 layout "
-                "(whisper-prune's default), whose vLLM plugin serves the FP8 weights "
-                "dequantized to the model's dtype, or prune with a W8A8 chain"
-            )
+    _refuse_emulated_fp8(checkpoint, config, python)
     quantized = is_quantized(config)
     candidates = [dtype] if dtype else (QUANTIZED_CANDIDATES if quantized else DENSE_CANDIDATES)
-    key = hashlib.sha256(
-        json.dumps(
-            [
-                PROBE_VERSION,
-                str(python.resolve()),
-                python.stat().st_mtime,
-                cpu_flags(),
-                probe_environment(),
-                candidates,
-                probe_request(Path(checkpoint), config, ""),
-            ],
-            sort_keys=True,
-        ).encode()  # fmt: skip
-    ).hexdigest()
-    cache = cache_dir() / "serving_dtypes.json"
-    known = json.loads(cache.read_text()) if cache.is_file() else {}
-    answer = known.get(key)
-    if answer is None:
-        answer = probe_dtypes(Path(checkpoint), config, candidates, python)
-        if not answer["timed_out"]:  # a machine too busy to answer may do better later
-            known = json.loads(cache.read_text()) if cache.is_file() else {}
-            known[key] = answer
-            write_json_atomically(cache, known)
+    answer = _probed(Path(checkpoint), config, candidates, python)
     if answer["missing_ops"]:
         raise unavailable_ops(checkpoint, answer["missing_ops"])
     if answer["dtype"] is None:
@@ -250,6 +217,52 @@ def serving_plan(checkpoint: str | Path, python: str | Path | None = None,
         kernel = sorted(set(answer["kernels"].values()))[0]
         notes = (EMULATED_FP8_NOTE.format(kernel=kernel, dtype=resolved or chosen),)
     return ServingPlan(chosen, resolved, notes)
+
+
+def _refuse_emulated_fp8(checkpoint: str | Path, config: dict, python: Path) -> None:
+    """Raise ``ServingUnavailable`` for an FP8_DYNAMIC checkpoint not ours where vLLM's FP8
+    path on this CPU is its emulation (before any engine starts)."""
+    if is_ours(config.get("quantization_config")) or not _dynamic_fp8(scheme_config(config)):
+        return
+    kernel = capabilities(python)["fp8_dynamic_kernel"]
+    if kernel.endswith("(emulated)"):
+        raise ServingUnavailable(
+            f"{checkpoint}: vLLM runs this checkpoint's FP8 layers on this CPU only "
+            f"through its emulated path ({kernel.split()[0]}, torch._scaled_mm on the "
+            "CPU: 10 decoded tokens/s on SmolLM2-135M where dequantized weights gave "
+            "190, docs/serving.md); save the chain in the compressed 2:4 layout "
+            "(whisper-prune's default), whose vLLM plugin serves the FP8 weights "
+            "dequantized to the model's dtype, or prune with a W8A8 chain"
+        )
+
+
+def _probed(checkpoint: Path, config: dict, candidates: list, python: Path) -> dict:
+    """``probe_dtypes``' answer for these candidates, cached per serving Python, CPU,
+    environment, checkpoint and candidates (an answer that timed out is not kept)."""
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                PROBE_VERSION,
+                str(python.resolve()),
+                python.stat().st_mtime,
+                cpu_flags(),
+                probe_environment(),
+                candidates,
+                probe_request(checkpoint, config, ""),
+            ],
+            sort_keys=True,
+        ).encode()  # fmt: skip
+    ).hexdigest()
+    cache = cache_dir() / "serving_dtypes.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    answer = known.get(key)
+    if answer is None:
+        answer = probe_dtypes(checkpoint, config, candidates, python)
+        if not answer["timed_out"]:  # a machine too busy to answer may do better later
+            known = json.loads(cache.read_text()) if cache.is_file() else {}
+            known[key] = answer
+            write_json_atomically(cache, known)
+    return answer
 
 
 def _dynamic_fp8(scheme: dict) -> bool:
