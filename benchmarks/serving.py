@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         )
         return 0
 
-    from whisper_modifiers.serving.probe import capabilities
+    from whisper_modifiers.serving.capabilities import capabilities
 
     source, tokenizer, calibration, evaluation, ids = wikitext_setup(args.model)
     from whisper_modifiers.evaluation import evaluation_windows

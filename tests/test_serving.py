@@ -43,10 +43,10 @@ from whisper_modifiers.serving import (
     serving_python,
     vllm_perplexity,
 )
+from whisper_modifiers.serving.capabilities import capabilities
 from whisper_modifiers.serving.cli import main as whisper_serve
 from whisper_modifiers.serving.probe import (
     AMX_FLAGS,
-    capabilities,
     cpu_flag_set,
     probe_request,
     required_ops,

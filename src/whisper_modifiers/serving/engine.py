@@ -31,10 +31,10 @@ from pathlib import Path
 from loguru import logger
 
 from whisper_modifiers.checkpoint import check_checkpoint
+from whisper_modifiers.serving.capabilities import capabilities_line
 from whisper_modifiers.serving.probe import (
     ServingPlan,
     ServingUnavailable,
-    capabilities_line,
     is_quantized,
     refusal_cause,
     required_ops,

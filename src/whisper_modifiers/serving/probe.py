@@ -6,8 +6,7 @@ engine starts.
   kernel that aborts its process refuses only its own dtype), and what the plugin does in
   place of an emulated FP8 path (``notes``). Raises ``ServingUnavailable`` where the
   build lacks what the checkpoint needs.
-* ``capabilities`` / ``capabilities_line``: this CPU's relevant flags and the serving
-  environment's vLLM ops, in one line (printed at the start of the test run).
+* What the serving environment's vLLM has on this CPU is ``capabilities.py``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from whisper_modifiers.checkpoint import check_checkpoint
 from whisper_modifiers.models import cache_dir
+from whisper_modifiers.serving.capabilities import capabilities
 from whisper_modifiers.serving.worker_process import (
     WorkerFailed,
     on_cpu,
@@ -26,12 +26,7 @@ from whisper_modifiers.serving.worker_process import (
     serving_env,
     serving_python,
 )
-from whisper_modifiers.sparse_serving.cpu.cpu_info import (
-    CPU_FLAGS,
-    cpu_flag_set,
-    cpu_flags,
-    cpu_model,
-)
+from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_flag_set, cpu_flags
 from whisper_modifiers.sparse_serving.cpu.fp8 import EMULATED_FP8_NOTE
 from whisper_modifiers.sparse_serving.format.declaration import is_ours
 from whisper_modifiers.sparse_serving.paths import write_json_atomically
@@ -39,8 +34,6 @@ from whisper_modifiers.sparse_serving.paths import write_json_atomically
 __all__ = [
     "ServingPlan",
     "ServingUnavailable",
-    "capabilities",
-    "capabilities_line",
     "is_quantized",
     "refusal_cause",
     "required_ops",
@@ -62,8 +55,6 @@ DENSE_CANDIDATES = ["auto", "float32"]
 PROBED_VARIABLES = ("ONEDNN_", "DNNL_", "VLLM_CPU_", "VLLM_ENABLE_V1_MULTIPROCESSING",
                     "WHISPER_MODIFIERS_", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY")  # fmt: skip
 AMX_FLAGS = {"amx_tile", "amx_int8", "amx_bf16"}
-# vllm-cpu's builds of its ops on x86, one of which it loads by the CPU's flags
-BUILDS = {"_C": "AVX-512 BF16 build", "_C_AVX512": "AVX-512 build", "_C_AVX2": "AVX2 build"}
 
 
 class ServingUnavailable(ValueError):
@@ -285,32 +276,4 @@ def unavailable_ops(checkpoint, missing: list[str]) -> ServingUnavailable:
         f"no {', '.join(f'`{op}`' for op in missing)}; it needs an x86 CPU with AVX-512, "
         "where vllm-cpu loads its AVX-512 build of the op, or a GPU with the vllm package); "
         f"{checkpoint}: prune with a W8A8 or FP8 chain to serve on this CPU"
-    )
-
-
-def capabilities(python: str | Path | None = None, timeout: float = 120) -> dict:
-    """What the serving environment's vLLM has on this CPU (``vllm_worker.capabilities``)."""
-    return run_worker({"capabilities": True}, serving_python(python), timeout,
-                      "asking vLLM for its CPU ops")  # fmt: skip
-
-
-def capabilities_line(python: str | Path | None = None) -> str:
-    """One line: this CPU's model and relevant flags, and which of vLLM's CPU ops and
-    kernels the serving environment has here (or why it could not be asked)."""
-    flags = cpu_flag_set()
-    cpu = f"CPU {cpu_model()}: " + " ".join(
-        flag if flag in flags else f"-{flag}" for flag in CPU_FLAGS
-    )
-    try:
-        found = capabilities(python)
-    except (FileNotFoundError, RuntimeError) as error:
-        return f"{cpu} | serving environment: {str(error).splitlines()[0]}"
-    ops = ", ".join(f"{scheme} {'yes' if there else 'no'}" for scheme, there in
-                    found["ops"].items())  # fmt: skip
-    saturates = found["int8_saturates"]
-    int8 = "" if saturates is None else f" (oneDNN int8 saturates: {'yes' if saturates else 'no'})"
-    builds = "+".join(f"{name} ({BUILDS.get(name, 'build')})" for name in found["builds"])
-    return (
-        f"{cpu} | {found['distribution']} {found['vllm']} loaded {builds or 'no CPU ops'}; "
-        f"ops: {ops}{int8}; FP8_DYNAMIC kernel: {found['fp8_dynamic_kernel']}"
     )
