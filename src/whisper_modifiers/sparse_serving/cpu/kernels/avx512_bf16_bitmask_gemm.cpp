@@ -185,7 +185,7 @@ WS_TARGET void expand_chunk(const GemmArgs& a, const uint16_t** next, int64_t n,
 // groups' row r at r * stride), each group's rows in turn. Side is a constant and the
 // pointers are locals, so that they stay in registers: walked through next[] (which the
 // stores may alias), each advance was an add to memory that the next load waited on, and
-// the GEMM at 16 tokens took 3-9 % longer (Zen 5 EPYC, 50 %, alternated processes).
+// the GEMM at 16 tokens took 5-9 % longer (Zen 5 EPYC, 50 %, alternated processes).
 template <int Side>
 WS_TARGET inline void expand_groups(const uint32_t* const* masks, const uint16_t** next,
                                     int64_t steps, uint16_t* expanded, int64_t stride) {
