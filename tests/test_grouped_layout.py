@@ -102,6 +102,30 @@ def test_grouped_op_is_exact_on_integer_values(path):
 
 
 @needs_kernels
+@pytest.mark.skipif(not kernels.gemm_runs(torch.bfloat16, torch.bfloat16),
+                    reason="the unstructured GEMM runs on avx512_bf16 kernels only")  # fmt: skip
+def test_a_wide_layer_at_many_tokens_is_exact_in_passes_of_inputs():
+    """Where 512 tokens' packed inputs pass the GEMM's cap (9000 inputs), it runs passes of
+    inputs, their float32 sums kept between them, and past 512 tokens passes of tokens too:
+    the exact products rounded once, bit for bit, in the grouped layout and in rows; 200
+    rows, so that each thread takes several blocks of rows (whose sums a pass must not find
+    left in its buffer by the pass before)."""
+    generator = torch.Generator().manual_seed(9)
+    rows, columns = 200, 9000
+    weight = integer_sparse(rows, columns, 0.5, torch.bfloat16, generator)
+    stored = compress_bitmask(weight)
+    layer = group_layout(*stored, columns)
+    gemm = bitmask_thresholds(PATH_THRESHOLDS["gemm"])
+    for tokens in (300, 513):
+        x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(torch.bfloat16)
+        bias = torch.randint(-3, 4, (rows,), generator=generator).to(torch.bfloat16)
+        exact = (x.double() @ weight.double().t() + bias.double()).to(torch.bfloat16)
+        grouped = kernels.grouped_cpu_linear(x, *layer, bias, columns, rows, *gemm)
+        in_rows = kernels.bitmask_cpu_linear(x, *stored, bias, columns, *gemm)
+        assert torch.equal(grouped, exact) and torch.equal(in_rows, exact), tokens
+
+
+@needs_kernels
 def test_grouped_op_refuses_tensors_that_do_not_fit_names_them():
     weight = integer_sparse(9, 40, 0.5, torch.bfloat16, torch.Generator().manual_seed(2))
     values, masks, offsets = group_layout(*compress_bitmask(weight), 40)

@@ -7,6 +7,7 @@
 // value (past the grouped layout's 32 zeros).
 // Prints one line per failure and exits 1 on any; test_cpu_kernels.py builds and runs it.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -193,24 +194,38 @@ void check_gemm(const Layer& layer, std::mt19937& draw) {
   }
 }
 
-// The unstructured GEMM as op_gemm.cpp runs it: pass by pass, x packed (in two calls, as two
+// The unstructured GEMM as op_gemm.cpp runs it: pass by pass of tokens and of inputs (of at
+// most `packed_bytes` of packed x; 0: the kernel's cap), x packed (in two calls, as two
 // threads would share it) before the rows.
-void run_bitmask_gemm(const GemmArgs& args) {
-  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = input_pairs(args.K);
-  const int64_t half = (pairs + 31) / 32 * 16;
+void run_bitmask_gemm(const GemmArgs& args, int64_t packed_bytes) {
+  const int64_t per_pass = bitmask_gemm_tokens_per_pass();
   for (int64_t t0 = 0; t0 < args.M; t0 += per_pass) {
     const int64_t tokens = std::min(per_pass, args.M - t0);
-    std::vector<uint32_t> packed(bitmask_gemm_packed_words(tokens, args.K));
-    const uint16_t* x = args.x + t0 * args.ldx;
-    pack_pairs_avx512_bf16(x, args.ldx, tokens, args.K, 0, std::min(half, pairs), packed.data());
-    pack_pairs_avx512_bf16(x, args.ldx, tokens, args.K, std::min(half, pairs), pairs,
-                           packed.data());
-    GemmArgs pass = args;
-    pass.x = x;
-    pass.y = args.y + t0 * args.ldy;
-    pass.M = tokens;
-    pass.packed = packed.data();
-    bitmask_gemm_avx512_bf16(pass);
+    const int64_t width = bitmask_gemm_inputs_per_pass(tokens, args.K, packed_bytes);
+    std::vector<const uint16_t*> resume(args.n_end, nullptr);
+    std::vector<float> partial(args.n_end * token_lanes(tokens), std::nanf(""));
+    for (int64_t k0 = 0; k0 < args.K; k0 += width) {
+      const int64_t inputs = std::min(width, args.K - k0), pairs = input_pairs(inputs);
+      const int64_t half = (pairs + 31) / 32 * 16;
+      std::vector<uint32_t> packed(bitmask_gemm_packed_words(tokens, inputs));
+      const uint16_t* x = args.x + t0 * args.ldx;
+      pack_pairs_avx512_bf16(x + k0, args.ldx, tokens, inputs, 0, std::min(half, pairs),
+                             packed.data());
+      pack_pairs_avx512_bf16(x + k0, args.ldx, tokens, inputs, std::min(half, pairs), pairs,
+                             packed.data());
+      GemmArgs pass = args;
+      pass.x = x;
+      pass.y = args.y + t0 * args.ldy;
+      pass.M = tokens;
+      pass.packed = packed.data();
+      pass.k_begin = k0;
+      pass.k_end = k0 + inputs;
+      if (width < args.K) {
+        pass.resume = resume.data();
+        pass.partial = partial.data();
+      }
+      bitmask_gemm_avx512_bf16(pass);
+    }
   }
 }
 
@@ -227,19 +242,28 @@ void check_bitmask_gemm(const std::vector<float>& x, const std::vector<float>& e
     for (int64_t k = 0; k < columns; ++k) x_bf16[t * ldx + k] = to_bf16(x[t * columns + k]);
   std::vector<float> bias(rows);
   for (auto& b : bias) b = float(value(draw));
-  for (int64_t begin : {int64_t(0), rows > 16 ? int64_t(16) : int64_t(0)}) {
-    std::vector<uint16_t> y(tokens * rows, 0xFFFF);
-    GemmArgs args{x_bf16.data(), ldx, kept_bf16.data(), bitmask.data(), bias.data(), y.data(),
-                  rows, tokens, columns, begin, rows, offsets, int64_t(kept_bf16.size())};
-    args.grouped = grouped;
-    run_bitmask_gemm(args);
-    bool same = true;
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t n = 0; n < rows; ++n)
-        same &= y[t * rows + n] ==
-                (n < begin ? 0xFFFF : round_bf16(expected[t * rows + n] + bias[n]));
-    expect(same, grouped.defined() ? "bitmask_gemm_avx512_bf16 grouped"
-                                   : "bitmask_gemm_avx512_bf16", rows, columns, tokens);
+  // the kernel's cap, and passes of 1024 inputs (where K is wider)
+  const bool split = bitmask_gemm_inputs_per_pass(tokens, columns, 1) < columns;
+  for (int64_t packed_bytes : {int64_t(0), int64_t(1)}) {
+    if (packed_bytes == 1 && !split) continue;
+    for (int64_t begin : {int64_t(0), rows > 16 ? int64_t(16) : int64_t(0)}) {
+      std::vector<uint16_t> y(tokens * rows, 0xFFFF);
+      GemmArgs args{x_bf16.data(), ldx, kept_bf16.data(), bitmask.data(), bias.data(), y.data(),
+                    rows, tokens, columns, begin, rows, offsets, int64_t(kept_bf16.size())};
+      args.grouped = grouped;
+      run_bitmask_gemm(args, packed_bytes);
+      bool same = true;
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t n = 0; n < rows; ++n)
+          same &= y[t * rows + n] ==
+                  (n < begin ? 0xFFFF : round_bf16(expected[t * rows + n] + bias[n]));
+      expect(same,
+             grouped.defined() ? (packed_bytes ? "bitmask_gemm_avx512_bf16 grouped, inputs split"
+                                               : "bitmask_gemm_avx512_bf16 grouped")
+                               : (packed_bytes ? "bitmask_gemm_avx512_bf16, inputs split"
+                                               : "bitmask_gemm_avx512_bf16"),
+             rows, columns, tokens);
+    }
   }
 }
 
@@ -468,10 +492,12 @@ int main() {
     check_unstructured(9, 4258, sparsity, draw);  // chunks of the expand-once rows, and a tail
     check_unstructured(50, 4097, sparsity, draw);  // the GEMM: an odd K past a whole chunk
   }
-  // the GEMM's packed x capped per pass: 32 tokens a pass here, so 70 take three; an odd K
+  // the GEMM's packed x capped per pass: 70 tokens take two passes of inputs here; an odd K
   for (double sparsity : {0.5, 0.95}) {
     check_unstructured(3, 66001, sparsity, draw, {70});
   }
+  // past 512 tokens, passes of tokens, each split into passes of inputs (the small cap)
+  check_unstructured(20, 2100, 0.5, draw, {530});
   std::printf(failures ? "FAILED %d\n" : "OK\n", failures);
   return failures ? 1 : 0;
 }

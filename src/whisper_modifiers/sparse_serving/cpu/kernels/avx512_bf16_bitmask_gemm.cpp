@@ -20,11 +20,13 @@
 //     then their bitmask rows: two runs of memory) are asked for a line at a time, spread over
 //     the block's work, so that its expansion finds them in the caches.
 //
-//   for each pass of tokens (packed x of at most kPackedBytes; op.cpp): pack x;
+//   for each pass of tokens (up to 512), and each pass of its inputs (packed x of at most
+//   kPackedBytes; op_gemm.cpp): pack x;
 //     for each block of rows (a thread's share), a chunk of inputs at a time:
 //       expand the block's rows; for every tile of tokens and group of R rows: the
-//       micro-kernel, its sums kept per row and token across chunks; then each token's sums,
-//       plus the bias, rounded once to bfloat16 into y.
+//       micro-kernel, its sums kept per row and token across chunks (and across the passes
+//       of inputs, in `partial`); after the last pass of inputs, each token's sums, plus the
+//       bias, rounded once to bfloat16 into y.
 //
 // Measured on a 2-core Zen 5 EPYC (12288 x 4096 at 50 %, 2 threads), against the kernel this
 // replaced (16 rows transposed into registers of rows, the tokens' inputs broadcast): 3.0
@@ -65,6 +67,10 @@ constexpr int64_t kMostRowStride =
     expanded_row_stride(std::max(kFewTokensChunk, kManyTokensChunk));
 constexpr int64_t kTokensPerPass = 512;         // at most (a multiple of 32)
 constexpr int64_t kPackedBytes = int64_t(8) << 20;  // packed x of a pass, at most (shared)
+// A pass of inputs that is not all K: a multiple of this (of 32, a grouped layer's step, and of
+// the chunk of the passes that are split: those of more than kFewTokensUpTo tokens, unless K
+// is over 64 Ki).
+constexpr int64_t kInputsPerPassStep = kManyTokensChunk;
 // Rows expanded side by side, their popcount-advanced pointers independent chains: 4 took
 // 3.0 cycles per 32 inputs on a Zen 5 EPYC, 8 took 3.4 (their pointers spilled), 1 took 3.6.
 constexpr int64_t kExpandSide = 4;
@@ -87,21 +93,30 @@ Scratch& scratch() {
   return buffers;
 }
 
-// The next block's bytes as two runs of lines (its rows' kept values, then their bitmask
-// rows), asked for one line at a time.
+// The next block's bytes as runs of lines (its rows' kept values, then their bitmask rows; in
+// a pass of some of the inputs, each row's or group's part), asked for one line at a time.
 struct Sweep {
-  const char* at = nullptr;
-  const char* end = nullptr;
-  const char* then = nullptr;
-  const char* then_end = nullptr;
-  int64_t lines_left() const { return ((end - at) + (then_end - then) + 63) / 64; }
+  struct Run {
+    const char* at;
+    const char* end;
+  };
+  Run runs[2 * kMostRows];
+  int count = 0, i = 0;
+  void add(const void* begin, const void* end) {
+    const uintptr_t line = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(63);
+    if (reinterpret_cast<const char*>(line) < static_cast<const char*>(end))
+      runs[count++] = {reinterpret_cast<const char*>(line), static_cast<const char*>(end)};
+  }
+  int64_t lines_left() const {
+    int64_t lines = 0;
+    for (int j = i; j < count; ++j) lines += (runs[j].end - runs[j].at + 63) / 64;
+    return lines;
+  }
   inline void step() {
-    if (at < end) {
-      __builtin_prefetch(at, 0, 3);
-      at += 64;
-    } else if (then < then_end) {
-      __builtin_prefetch(then, 0, 3);
-      then += 64;
+    while (i < count && runs[i].at >= runs[i].end) ++i;
+    if (i < count) {
+      __builtin_prefetch(runs[i].at, 0, 3);
+      runs[i].at += 64;
     }
   }
 };
@@ -112,26 +127,47 @@ inline int64_t row_start(const GemmArgs& a, int64_t n) {
   return a.row_offsets != nullptr ? a.row_offsets[n] : n * (a.K / 2);
 }
 
-// Rows [n, n_end) of the layer as a sweep; empty where there are none.
-Sweep sweep_of(const GemmArgs& a, int64_t n, int64_t n_end) {
+// Rows [n, n_end) of the layer as a sweep, for inputs [kb, ke); empty where there are none.
+// Over all K, two runs (the rows' values, then their masks); over some, each row's or group's
+// part of its values (in proportion, about) and of its masks.
+Sweep sweep_of(const GemmArgs& a, int64_t n, int64_t n_end, int64_t kb, int64_t ke) {
   Sweep sweep;
   if (n >= n_end) return sweep;
+  const bool all = kb == 0 && ke == a.K;
+  const auto part = [&](const uint16_t* begin, const uint16_t* end) {
+    const int64_t length = end - begin;
+    sweep.add(begin + length * kb / a.K, begin + (length * ke + a.K - 1) / a.K);
+  };
   if (a.grouped.defined()) {  // the groups' values, then their masks
     const int64_t g = n / kGroupRows, g_end = (n_end + kGroupRows - 1) / kGroupRows;
-    sweep.at = reinterpret_cast<const char*>(a.compressed + a.grouped.offsets[g]);
-    sweep.end = reinterpret_cast<const char*>(a.compressed + a.grouped.offsets[g_end]);
-    sweep.then = reinterpret_cast<const char*>(a.grouped.group_masks(g, a.K));
-    sweep.then_end = reinterpret_cast<const char*>(a.grouped.group_masks(g_end, a.K));
+    const int64_t* offsets = a.grouped.offsets;
+    if (all) {
+      sweep.add(a.compressed + offsets[g], a.compressed + offsets[g_end]);
+      sweep.add(a.grouped.group_masks(g, a.K), a.grouped.group_masks(g_end, a.K));
+      return sweep;
+    }
+    for (int64_t i = g; i < g_end; ++i)
+      part(a.compressed + offsets[i], a.compressed + offsets[i + 1]);
+    for (int64_t i = g; i < g_end; ++i)
+      sweep.add(a.grouped.group_masks(i, a.K) + kb / 32 * kGroupRows,
+                a.grouped.group_masks(i, a.K) + (ke + 31) / 32 * kGroupRows);
     return sweep;
   }
   const int64_t mask_bytes = (a.K + 7) / 8;
   const int64_t first = row_start(a, n), last_row = row_start(a, n_end - 1);
   // the last row's end, about: it may be the layer's, which row_offsets does not hold
-  const int64_t last = last_row + (last_row - first) / std::max<int64_t>(1, n_end - 1 - n);
-  sweep.at = reinterpret_cast<const char*>(a.compressed + first);
-  sweep.end = reinterpret_cast<const char*>(a.compressed + std::min(last, a.values_count));
-  sweep.then = reinterpret_cast<const char*>(a.bitmask + n * mask_bytes);
-  sweep.then_end = reinterpret_cast<const char*>(a.bitmask + n_end * mask_bytes);
+  const int64_t last = std::min(
+      last_row + (n_end - 1 > n ? (last_row - first) / (n_end - 1 - n) : a.K), a.values_count);
+  if (all) {
+    sweep.add(a.compressed + first, a.compressed + last);
+    sweep.add(a.bitmask + n * mask_bytes, a.bitmask + n_end * mask_bytes);
+    return sweep;
+  }
+  for (int64_t row = n; row < n_end; ++row)
+    part(a.compressed + row_start(a, row),
+         a.compressed + (row + 1 < n_end ? row_start(a, row + 1) : last));
+  for (int64_t row = n; row < n_end; ++row)
+    sweep.add(a.bitmask + row * mask_bytes + kb / 8, a.bitmask + row * mask_bytes + (ke + 7) / 8);
   return sweep;
 }
 
@@ -303,42 +339,56 @@ WS_TARGET void store_sums(const GemmArgs& a, const float* sums, int64_t lanes, i
 }
 
 // One block of rows [n, n + rows) for a pass of tokens (a.packed, `lanes` of them: a.M rounded
-// up to 16) into sums, asking for the next block's bytes (rows [n + rows, ahead_end)) along the
-// way.
+// up to 16) and of inputs [kb, ke) into sums, asking for the next block's bytes (rows
+// [n + rows, ahead_end)) along the way.
 template <int64_t Chunk>
 WS_TARGET void block(const GemmArgs& a, Scratch& buffers, int64_t n, int64_t rows,
-                     int64_t ahead_end, int64_t lanes) {
+                     int64_t ahead_end, int64_t lanes, int64_t kb, int64_t ke) {
   constexpr int64_t stride = expanded_row_stride(Chunk);
   const int64_t padded = (rows + 23) / 24 * 24;  // rows past `rows` stay zeros
-  const int64_t chunks = (a.K + Chunk - 1) / Chunk;
   const bool grouped = a.grouped.defined();
   const bool unchecked =
       grouped || loads_stay_in_layer(row_start(a, n + rows - 1), a.K, a.values_count);
-  if (grouped) {
-    for (int64_t i = 0; i * kGroupRows < rows; ++i)
-      buffers.next[i] = a.compressed + a.grouped.offsets[n / kGroupRows + i];
-  } else {
-    for (int64_t r = 0; r < rows; ++r) buffers.next[r] = a.compressed + row_start(a, n + r);
-  }
+  const int64_t units = grouped ? (rows + kGroupRows - 1) / kGroupRows : rows;
+  const int64_t unit0 = grouped ? n / kGroupRows : n;  // the block's first row or group
+  for (int64_t i = 0; i < units; ++i)
+    buffers.next[i] = kb > 0    ? a.resume[unit0 + i]
+                      : grouped ? a.compressed + a.grouped.offsets[unit0 + i]
+                                : a.compressed + row_start(a, n + i);
+  if (kb > 0) std::memcpy(buffers.sums, a.partial + n * lanes, rows * lanes * sizeof(float));
   std::memset(buffers.expanded + rows * stride, 0, (padded - rows) * stride * sizeof(uint16_t));
-  Sweep sweep = sweep_of(a, n + rows, ahead_end);
+  Sweep sweep = sweep_of(a, n + rows, ahead_end, kb, ke);
+  const int64_t chunks = (ke - kb + Chunk - 1) / Chunk;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t k0 = c * Chunk, width = std::min(Chunk, a.K - k0);
+    const int64_t k0 = kb + c * Chunk, width = std::min(Chunk, ke - k0);
     if (grouped) {
       expand_grouped_chunk(a, buffers.next, n, rows, k0, width, buffers.expanded, stride);
     } else {
       expand_chunk(a, buffers.next, n, rows, k0, width, unchecked, buffers.expanded, stride);
     }
     const int64_t lines = (sweep.lines_left() + chunks - c - 1) / (chunks - c);
-    multiply_chunk<stride>(buffers.expanded, a.packed, input_pairs(a.K), k0 / 2, lanes,
-                           input_pairs(width), buffers.sums, padded, c == 0, sweep, lines);
+    multiply_chunk<stride>(buffers.expanded, a.packed, input_pairs(ke - kb), (k0 - kb) / 2,
+                           lanes, input_pairs(width), buffers.sums, padded, c == 0 && kb == 0,
+                           sweep, lines);
+  }
+  if (ke < a.K) {  // the inputs go on in a later pass
+    std::memcpy(a.partial + n * lanes, buffers.sums, rows * lanes * sizeof(float));
+    for (int64_t i = 0; i < units; ++i) a.resume[unit0 + i] = buffers.next[i];
   }
 }
 
 }  // namespace
 
-int64_t bitmask_gemm_tokens_per_pass(int64_t K) {
-  return std::clamp<int64_t>(kPackedBytes / (4 * input_pairs(K)) / 32 * 32, 32, kTokensPerPass);
+int64_t bitmask_gemm_tokens_per_pass() { return kTokensPerPass; }
+
+int64_t bitmask_gemm_inputs_per_pass(int64_t tokens, int64_t K, int64_t packed_bytes) {
+  const int64_t cap = packed_bytes > 0 ? packed_bytes : kPackedBytes;
+  const int64_t fit = cap / (4 * token_lanes(tokens)) * 2;  // inputs, in pairs of 4 bytes a token
+  const int64_t most = std::max(kInputsPerPassStep, fit / kInputsPerPassStep * kInputsPerPassStep);
+  if (K <= most) return K;
+  const int64_t passes = (K + most - 1) / most;  // as few as fit, of about equal width
+  return ((K + passes - 1) / passes + kInputsPerPassStep - 1) / kInputsPerPassStep *
+         kInputsPerPassStep;
 }
 
 int64_t bitmask_gemm_packed_words(int64_t tokens, int64_t K) {
@@ -373,15 +423,16 @@ WS_TARGET void bitmask_gemm_avx512_bf16(const GemmArgs& a) {
   const int64_t lanes = token_lanes(a.M);
   const bool few = lanes <= kFewTokensUpTo;
   const int64_t block_rows = few ? kFewTokensRows : kManyTokensRows;
+  const int64_t kb = a.k_begin, ke = a.k_end > 0 ? a.k_end : a.K;
   for (int64_t n = a.n_begin; n < a.n_end; n += block_rows) {
     const int64_t rows = std::min(block_rows, a.n_end - n);
     const int64_t ahead_end = std::min(n + 2 * block_rows, a.n_end);
     if (few) {
-      block<kFewTokensChunk>(a, buffers, n, rows, ahead_end, lanes);
+      block<kFewTokensChunk>(a, buffers, n, rows, ahead_end, lanes, kb, ke);
     } else {
-      block<kManyTokensChunk>(a, buffers, n, rows, ahead_end, lanes);
+      block<kManyTokensChunk>(a, buffers, n, rows, ahead_end, lanes, kb, ke);
     }
-    store_sums(a, buffers.sums, lanes, n, rows, a.M);
+    if (ke == a.K) store_sums(a, buffers.sums, lanes, n, rows, a.M);
   }
 }
 

@@ -24,43 +24,58 @@ void rows_in_parallel(void (*kernel)(const GemmArgs&), const GemmArgs& args, int
   });
 }
 
-// A pass's packed x, kept per calling thread and grown as needed (64-byte aligned).
-struct PackedX {
-  uint32_t* words = nullptr;
+// A buffer kept per calling thread and grown as needed (64-byte aligned): a pass's packed x,
+// the sums of passes of inputs, their rows' pointers.
+template <typename T>
+struct Grown {
+  T* items = nullptr;
   int64_t size = 0;
-  uint32_t* at_least(int64_t count) {
+  T* at_least(int64_t count) {
     if (count > size) {
-      std::free(words);
+      std::free(items);
       const int64_t grown = (count + 15) / 16 * 16;
-      words = static_cast<uint32_t*>(std::aligned_alloc(64, grown * sizeof(uint32_t)));
-      size = words != nullptr ? grown : 0;
-      TORCH_CHECK(words != nullptr, "the unstructured GEMM could not allocate ", grown * 4,
-                  " bytes");
+      items = static_cast<T*>(std::aligned_alloc(64, grown * sizeof(T)));
+      size = items != nullptr ? grown : 0;
+      TORCH_CHECK(items != nullptr, "the unstructured GEMM could not allocate ",
+                  grown * sizeof(T), " bytes");
     }
-    return words;
+    return items;
   }
-  ~PackedX() { std::free(words); }
+  ~Grown() { std::free(items); }
 };
 
-// The unstructured GEMM in passes of tokens: each pass's x packed by all threads into one
+// The unstructured GEMM in passes of tokens, and of inputs where a pass's packed x would pass
+// the kernel's cap (a wide layer at many tokens: its weights then expand once, where passes of
+// fewer tokens expanded them once a pass): each pass's x packed by all threads into one
 // buffer, then their rows.
 void bitmask_gemm_in_passes(const GemmArgs& args, int64_t rows) {
-  static thread_local PackedX packed;
-  const int64_t per_pass = bitmask_gemm_tokens_per_pass(args.K), pairs = input_pairs(args.K);
+  static thread_local Grown<uint32_t> packed;
+  static thread_local Grown<float> partial;
+  static thread_local Grown<const uint16_t*> resume;
+  const int64_t per_pass = bitmask_gemm_tokens_per_pass();
   for (int64_t t0 = 0; t0 < args.M; t0 += per_pass) {
     const int64_t tokens = std::min(per_pass, args.M - t0);
-    uint32_t* to = packed.at_least(bitmask_gemm_packed_words(tokens, args.K));
-    const uint16_t* x = args.x + t0 * args.ldx;
-    at::parallel_for(0, (pairs + 15) / 16, 16, [&](int64_t first, int64_t last) {
-      pack_pairs_avx512_bf16(x, args.ldx, tokens, args.K, first * 16, std::min(pairs, last * 16),
-                             to);
-    });
-    GemmArgs pass = args;
-    pass.x = x;
-    pass.y = args.y + t0 * args.ldy;
-    pass.M = tokens;
-    pass.packed = to;
-    rows_in_parallel(bitmask_gemm_avx512_bf16, pass, rows);
+    const int64_t width = bitmask_gemm_inputs_per_pass(tokens, args.K);
+    const bool split = width < args.K;
+    for (int64_t k0 = 0; k0 < args.K; k0 += width) {
+      const int64_t inputs = std::min(width, args.K - k0), pairs = input_pairs(inputs);
+      uint32_t* to = packed.at_least(bitmask_gemm_packed_words(tokens, inputs));
+      const uint16_t* x = args.x + t0 * args.ldx;
+      at::parallel_for(0, (pairs + 15) / 16, 16, [&](int64_t first, int64_t last) {
+        pack_pairs_avx512_bf16(x + k0, args.ldx, tokens, inputs, first * 16,
+                               std::min(pairs, last * 16), to);
+      });
+      GemmArgs pass = args;
+      pass.x = x;
+      pass.y = args.y + t0 * args.ldy;
+      pass.M = tokens;
+      pass.packed = to;
+      pass.k_begin = k0;
+      pass.k_end = k0 + inputs;
+      pass.resume = split ? resume.at_least(rows) : nullptr;
+      pass.partial = split ? partial.at_least(rows * token_lanes(tokens)) : nullptr;
+      rows_in_parallel(bitmask_gemm_avx512_bf16, pass, rows);
+    }
   }
 }
 

@@ -174,18 +174,29 @@ struct GemmArgs {
   int64_t n_end;
   // For bitmask_gemm_avx512_bf16: an unstructured layer's, as in RowsArgs (without row
   // offsets it reads a 2:4 layer, each row's K / 2 values after the last row's), and x packed
-  // by pack_pairs_avx512_bf16 for its M tokens (at most bitmask_gemm_tokens_per_pass(K)).
+  // by pack_pairs_avx512_bf16 for its M tokens (at most bitmask_gemm_tokens_per_pass()).
   const int64_t* row_offsets = nullptr;
   int64_t values_count = 0;
   const uint32_t* packed = nullptr;
   GroupedLayer grouped;  // a grouped layer's (bitmask and row_offsets unused)
+  // A pass of inputs [k_begin, k_end) (bitmask_gemm_inputs_per_pass; 0, 0: all K), packed
+  // holding only theirs. Where they are not all K: `resume`, each row's value pointer (a
+  // grouped layer's: each group's, at index row / kGroupRows) at k_begin, read where k_begin
+  // is not 0 and set to where it stands at k_end; `partial`, the rows' float32 sums so far,
+  // [N][token_lanes(M)], read where k_begin is not 0 and written where k_end is not K, where
+  // the rows' y is stored instead.
+  int64_t k_begin = 0;
+  int64_t k_end = 0;
+  const uint16_t** resume = nullptr;
+  float* partial = nullptr;
 };
 
 // avx512_bf16_gemm.cpp (AVX-512 F/BW/VL/VBMI2 with BF16)
 void gemm_avx512_bf16(const GemmArgs& args);
 
 // The unstructured GEMM (avx512_bf16_bitmask_gemm.cpp), for the same batches as the 2:4 GEMM,
-// one pass of tokens at a time: x is packed once per pass as pairs of inputs (16 tokens per
+// one pass of tokens at a time (and of its inputs, where they are many: passes of inputs keep
+// their sums in GemmArgs::partial): x is packed once per pass as pairs of inputs (16 tokens per
 // register; pack_pairs_avx512_bf16 packs pairs [pair_begin, pair_end), multiples of 16 or the
 // end, into bitmask_gemm_packed_words(tokens, K) words, so that threads share the work and the
 // result), then each thread's block of rows is expanded once per pass (vpexpandw by each row's
@@ -194,7 +205,11 @@ void gemm_avx512_bf16(const GemmArgs& args);
 // token. Any K (an odd K's last pair is padded with a zero).
 inline int64_t input_pairs(int64_t K) { return (K + 1) / 2; }  // the packed pairs of inputs
 inline int64_t token_lanes(int64_t tokens) { return (tokens + 15) / 16 * 16; }  // a pass's lanes
-int64_t bitmask_gemm_tokens_per_pass(int64_t K);
+int64_t bitmask_gemm_tokens_per_pass();
+// Inputs per pass for `tokens` tokens (a multiple of 1024, or all K) so that a pass's packed x
+// stays within `packed_bytes` (the kernel's cap where 0): the passes of a wide layer's inputs,
+// which expand its weights once, where passes of fewer tokens expanded them once a pass.
+int64_t bitmask_gemm_inputs_per_pass(int64_t tokens, int64_t K, int64_t packed_bytes = 0);
 int64_t bitmask_gemm_packed_words(int64_t tokens, int64_t K);
 void pack_pairs_avx512_bf16(const uint16_t* x, int64_t ldx, int64_t tokens, int64_t K,
                             int64_t pair_begin, int64_t pair_end, uint32_t* packed);
