@@ -48,6 +48,7 @@ HEADERS = (
     "sparse_kernels.h",
     "avx2_byte_tables.h",
     "avx512_bf16_parts.h",
+    "bitmask_gemm_reads.h",
     "op_brgemm.h",
     "op_gemm.h",
     "op_isa.h",
