@@ -22,8 +22,8 @@ constexpr int kSweepUnits = 48;  // rows (or groups) of a block a sweep covers, 
 // 3.0 cycles per 32 inputs on a Zen 5 EPYC, 8 took 3.4 (their pointers spilled), 1 took 3.6.
 constexpr int64_t kExpandSide = 4;
 
-// The next block's bytes as runs of lines (its rows' kept values, then their bitmask rows; in
-// a pass of some of the inputs, each row's or group's part), asked for one line at a time.
+// The next block's bytes as runs of lines (each row's or group's kept values, then their
+// masks; in a pass of some of the inputs, their part), asked for one line at a time.
 struct Sweep {
   struct Run {
     const char* at;
@@ -56,25 +56,19 @@ inline int64_t row_start(const GemmArgs& a, int64_t n) {
   return a.row_offsets != nullptr ? a.row_offsets[n] : n * (a.K / 2);
 }
 
-// Rows [n, n_end) of the layer as a sweep, for inputs [kb, ke); empty where there are none.
-// Over all K, two runs (the rows' values, then their masks); over some, each row's or group's
-// part of its values (in proportion, about) and of its masks.
+// Rows [n, n_end) of the layer as a sweep, for inputs [kb, ke); empty where there are none:
+// each row's or group's part of its kept values (in proportion, about; all of them over all
+// K), then of its masks.
 Sweep sweep_of(const GemmArgs& a, int64_t n, int64_t n_end, int64_t kb, int64_t ke) {
   Sweep sweep;
   if (n >= n_end) return sweep;
-  const bool all = kb == 0 && ke == a.K;
   const auto part = [&](const uint16_t* begin, const uint16_t* end) {
     const int64_t length = end - begin;
     sweep.add(begin + length * kb / a.K, begin + (length * ke + a.K - 1) / a.K);
   };
-  if (a.grouped.defined()) {  // the groups' values, then their masks
+  if (a.grouped.defined()) {
     const int64_t g = n / kGroupRows, g_end = (n_end + kGroupRows - 1) / kGroupRows;
     const int64_t* offsets = a.grouped.offsets;
-    if (all) {
-      sweep.add(a.compressed + offsets[g], a.compressed + offsets[g_end]);
-      sweep.add(a.grouped.group_masks(g, a.K), a.grouped.group_masks(g_end, a.K));
-      return sweep;
-    }
     for (int64_t i = g; i < g_end; ++i)
       part(a.compressed + offsets[i], a.compressed + offsets[i + 1]);
     for (int64_t i = g; i < g_end; ++i)
@@ -87,11 +81,6 @@ Sweep sweep_of(const GemmArgs& a, int64_t n, int64_t n_end, int64_t kb, int64_t 
   // the last row's end, about: it may be the layer's, which row_offsets does not hold
   const int64_t last = std::min(
       last_row + (n_end - 1 > n ? (last_row - first) / (n_end - 1 - n) : a.K), a.values_count);
-  if (all) {
-    sweep.add(a.compressed + first, a.compressed + last);
-    sweep.add(a.bitmask + n * mask_bytes, a.bitmask + n_end * mask_bytes);
-    return sweep;
-  }
   for (int64_t row = n; row < n_end; ++row)
     part(a.compressed + row_start(a, row),
          a.compressed + (row + 1 < n_end ? row_start(a, row + 1) : last));
