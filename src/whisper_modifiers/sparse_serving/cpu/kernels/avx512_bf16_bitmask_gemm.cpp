@@ -16,9 +16,9 @@
 //   * the micro-kernel broadcasts a row's pair of weights (32 bits of that buffer) and adds it,
 //     by one vdpbf16ps, into a register of 16 tokens' float32 sums: R rows x TV registers of
 //     tokens, 24 accumulators (24 x 1 for a tile of 16 tokens, 12 x 2 for 32).
-//   * While the micro-kernel computes a block, the next block's bytes (its rows' kept values,
-//     then their bitmask rows: two runs of memory) are asked for a line at a time, spread over
-//     the block's work, so that its expansion finds them in the caches.
+//   * While the micro-kernel computes a block, the next block's bytes (each row's or group's
+//     kept values, then their masks; in a pass of some inputs, their part) are asked for a line
+//     at a time, spread over the block's work, so that its expansion finds them in the caches.
 //
 //   for each pass of tokens (up to 512), and each pass of its inputs (packed x of at most
 //   kPackedBytes; op_gemm.cpp): pack x;
