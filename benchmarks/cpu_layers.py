@@ -66,10 +66,10 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int,
     """``copies`` random weights of the layout (``2:4``, or unstructured at ``sparsity``),
     their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_until)``
     of the op on each, an unstructured layer held as the vLLM plugin holds it (``grouped``
-    None): grouped where ``grouped_layout_runs`` (``cpu.grouped_layout``), else its rows
-    spread in memory (``cpu.row_spread``); ``grouped`` False: its rows spread wherever. Its
-    bytes are the checkpoint's."""
-    from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_layout
+    None): grouped where ``grouped_layout_runs`` (``cpu.grouped_layout.group_for_op``, in
+    huge pages where offered), else its rows spread in memory (``cpu.row_spread``);
+    ``grouped`` False: its rows spread wherever. Its bytes are the checkpoint's."""
+    from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_for_op
     from whisper_modifiers.sparse_serving.cpu.op import (
         bitmask_cpu_linear,
         grouped_cpu_linear,
@@ -91,7 +91,7 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int,
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
     if grouped_layout_runs(dtype) if grouped is None else grouped:
-        held = [group_layout(v, b, o, columns) for v, b, o in stored]
+        held = [group_for_op(v, b, o, columns) for v, b, o in stored]
         runs = [lambda x, t, g, lanes, brgemm, layer=layer: grouped_cpu_linear(
             x, *layer, None, columns, rows, t, g, brgemm) for layer in held]  # fmt: skip
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_layout
+from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_for_op
 from whisper_modifiers.sparse_serving.cpu.op import (
     CPU_KERNEL_DTYPES,
     bitmask_cpu_linear,
@@ -181,11 +181,11 @@ class CpuGroupedLinear(_CpuCompressedLinear):
                         row_offsets: torch.Tensor, in_features: int, name: str = "weight",
                         plan: CpuPlan | None = None):  # fmt: skip
         """A module over loaded tensors (``format.bitmask``'s layout), after
-        ``check_bitmask``, regrouped."""
+        ``check_bitmask``, regrouped (``group_for_op``: in huge pages where offered)."""
         rows = bitmask.shape[0]
         check_bitmask(values, bitmask, row_offsets, (rows, in_features), name)
         module = cls(rows, in_features, False, values.dtype, "meta", plan)
-        grouped, group_masks, group_offsets = group_layout(values, bitmask, row_offsets,
+        grouped, group_masks, group_offsets = group_for_op(values, bitmask, row_offsets,
                                                            in_features)  # fmt: skip
         module.kept_values = values.numel()
         module.compressed, module.group_masks = _frozen(grouped), _frozen(group_masks)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from whisper_modifiers.sparse_serving.cpu.build import loaded_build_key
 from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_identity
-from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_layout
+from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_for_op
 from whisper_modifiers.sparse_serving.cpu.op import (
     NO_TILES,
     bitmask_cpu_linear,
@@ -70,7 +70,7 @@ __all__ = [
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256, 512)
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
-PLAN_VERSION = 7  # 7: unstructured rows timed spread, as served
+PLAN_VERSION = 8  # 7: unstructured rows timed spread, as served; 8: grouped in huge pages
 DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
 PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
 # (tiled_from, gemm_from, lanes_until, brgemm_until) of the op that takes each path at every
@@ -191,7 +191,7 @@ def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
     dense = random_unstructured(out_features, in_features, dtype, density)
     values, bitmask, row_offsets = compress_bitmask(dense)
     if grouped_layout_runs(dtype):  # in the layout the served modules hold here
-        grouped = group_layout(values, bitmask, row_offsets, in_features)
+        grouped = group_for_op(values, bitmask, row_offsets, in_features)
         return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: grouped_cpu_linear(
             x, *grouped, None, in_features, out_features, *bitmask_thresholds(t))
             for path in paths}  # fmt: skip
