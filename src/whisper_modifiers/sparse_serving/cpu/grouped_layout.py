@@ -100,7 +100,7 @@ def group_layout(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch
 def group_for_op(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor,
                  in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``group_layout`` of a checked layer as the op's modules hold it: its values and masks
-    in huge pages where the kernel offers them (``cpu.huge_pages``: the grouped kernels read
-    them 1.2-1.8x faster there at one to four tokens on a Zen 5 EPYC)."""
+    in huge pages where the kernel offers them (``cpu.huge_pages``: the grouped row kernels
+    read them faster there, at one to four tokens, on a Zen 5 EPYC)."""
     grouped, group_masks, group_offsets = group_layout(values, bitmask, row_offsets, in_features)
     return in_huge_pages(grouped), in_huge_pages(group_masks), group_offsets
