@@ -37,10 +37,10 @@ constexpr int64_t kMasksAhead = 32;
 // tokens) reads it from memory as a stream, asked for kStreamAhead bytes on, into L1. Where a
 // group takes n passes (three tokens or more), each asks, into L2, for its n-th of the group
 // kGroupsAhead groups on, evenly over its steps, so that memory streams at one pace through
-// every pass (the first pass then finds its group in L2). Asking instead for the next group
-// in the second pass only (memory idle through the first), or for the whole group's lines
-// kStreamAhead bytes on in the first, ran four tokens 11-13 % slower on 12288 x 4096 at 50 %
-// (a Zen 5 EPYC, alternated processes); one group on was 5 % slower than two, three as two.
+// every pass (the first pass then finds its group in L2). Asking instead for the whole next
+// group in the second pass only (memory idle through much of the first, which streamed its
+// own group kStreamAhead bytes on) ran four tokens 4-13 % slower on 12288 x 4096 at 50 % (a
+// Zen 5 EPYC, alternated processes); one group on was 3-5 % slower than two, three as two.
 enum class Ahead { kStream, kShare };
 constexpr int64_t kGroupsAhead = 2;
 
@@ -84,7 +84,8 @@ WS_TARGET void group_tokens(const RowsArgs& a, const uint16_t* x, int64_t m, int
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     const uint32_t* step = masks + s * kGroupRows;
-    if ((kAhead == Ahead::kStream || pass == 0) && (s & 1) == 0 && step + kMasksAhead * kGroupRows < masks_end)
+    const bool masks_pass = kAhead == Ahead::kStream || pass == 0;  // the group's first
+    if (masks_pass && (s & 1) == 0 && step + kMasksAhead * kGroupRows < masks_end)
       __builtin_prefetch(step + kMasksAhead * kGroupRows, 0, 3);  // a line: two steps' masks
     __m512i xv[T];
     if (s < whole) {
