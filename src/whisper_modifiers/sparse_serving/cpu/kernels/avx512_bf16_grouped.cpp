@@ -44,6 +44,13 @@ constexpr int64_t kMasksAhead = 32;
 enum class Ahead { kStream, kShare };
 constexpr int64_t kGroupsAhead = 2;
 
+// Asks for the lines that start in [from, to), into the cache level of `hint` (3: L1, 2: L2).
+template <int Hint>
+WS_TARGET inline void ask_lines(uintptr_t from, uintptr_t to) {
+  for (uintptr_t line = (from + 63) & ~uintptr_t(63); line < to; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, Hint);
+}
+
 // The lines of a pass's share (pass `pass` of `passes`) of the group kGroupsAhead groups after
 // `group`, asked for step by step: step s asks for the share's s-th steps-th.
 struct ShareAhead {
@@ -57,10 +64,8 @@ struct ShareAhead {
     start += uintptr_t((int64_t(pass) * steps * step_bytes) >> 16);
   }
   WS_TARGET void ask(int64_t s) const {
-    const uintptr_t from = start + uintptr_t((s * step_bytes) >> 16);
-    const uintptr_t to = start + uintptr_t(((s + 1) * step_bytes) >> 16);
-    for (uintptr_t line = (from + 63) & ~uintptr_t(63); line < to; line += 64)
-      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+    ask_lines<2>(start + uintptr_t((s * step_bytes) >> 16),
+                 start + uintptr_t(((s + 1) * step_bytes) >> 16));
   }
 };
 
@@ -84,8 +89,8 @@ WS_TARGET void group_tokens(const RowsArgs& a, const uint16_t* x, int64_t m, int
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     const uint32_t* step = masks + s * kGroupRows;
-    const bool masks_pass = kAhead == Ahead::kStream || pass == 0;  // the group's first
-    if (masks_pass && (s & 1) == 0 && step + kMasksAhead * kGroupRows < masks_end)
+    // the group's first pass (its only one, where it streams) asks for its masks
+    if (pass == 0 && (s & 1) == 0 && step + kMasksAhead * kGroupRows < masks_end)
       __builtin_prefetch(step + kMasksAhead * kGroupRows, 0, 3);  // a line: two steps' masks
     __m512i xv[T];
     if (s < whole) {
@@ -102,13 +107,10 @@ WS_TARGET void group_tokens(const RowsArgs& a, const uint16_t* x, int64_t m, int
       values += __builtin_popcount(step[First + r]);
     }
     for (int r = First + R; r < kGroupRows; ++r) values += __builtin_popcount(step[r]);
-    if (kAhead == Ahead::kStream) {  // the lines this step moved past, kStreamAhead bytes on
-      const uintptr_t after = reinterpret_cast<uintptr_t>(values) + kStreamAhead;
-      for (uintptr_t line = (before + 63) & ~uintptr_t(63); line < after; line += 64)
-        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
-    } else {
+    if (kAhead == Ahead::kStream)  // the lines this step moved past, kStreamAhead bytes on
+      ask_lines<3>(before, reinterpret_cast<uintptr_t>(values) + kStreamAhead);
+    else
       share.ask(s);
-    }
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t)
         acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w[r], (__m512bh)xv[t]);
