@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -263,6 +264,41 @@ def test_plan_takes_the_micro_kernels_tiles_where_they_beat_atens():
     assert plan_from_timings(timings).tiled_from == 64
 
 
+def test_plan_compares_paths_by_their_rounds_ratios():
+    """Where the paths were timed round by round (``{name}_rounds``), two paths compare by
+    the median of their rounds' ratios, not by their medians: a spell that slowed the GEMM
+    alone in one round, and both in two others, does not hand 512 tokens to the tiles, whose
+    median is 0.77x the GEMM's but which won most rounds by 3-4 % only (``TILES_MARGIN``).
+    The rounds of the faster of ATen's and the micro-kernel's tiles, and of the lanes GEMM
+    below ``lanes_until``, stand for theirs."""
+
+    def timed(point, **rounds):
+        for name, values in rounds.items():
+            point |= {f"{name}_rounds": values, f"{name}_s": statistics.median(values)}
+
+    timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (512, 300.0, 100.0, 96.0, 100.0)])
+    timed(timings[1], gemm=[100.0, 101.0, 130.0, 250.0, 260.0], rows=[300.0] * 5,
+          tiles=[97.0, 98.0, 100.0, 240.0, 245.0])  # fmt: skip
+    assert timings[1]["tiles_s"] / timings[1]["gemm_s"] < 0.8
+    assert plan_from_timings([t | {"gemm_rounds": None} for t in timings]).tiled_from == 512
+    assert plan_from_timings(timings).tiled_from == NO_TILES  # rounds' ratios: median 0.96x
+    timed(timings[1], tiles=[90.0, 93.0, 94.0, 230.0, 240.0])  # won most rounds by 6 % or more
+    assert plan_from_timings(timings).tiled_from == 512
+    timed(timings[1], brgemm=[99.0, 99.0, 97.0, 250.0, 250.0])
+    assert plan_from_timings(timings).tiled_from == 512  # ATen's tiles the faster (94 ms)
+    timings[1]["brgemm_s"] = 92.0  # the micro-kernel's median the faster: its rounds stand
+    assert plan_from_timings(timings).tiled_from == NO_TILES
+    lanes = timings_table([(16, 4.0, 4.0, 9.0, 4.0), (64, 8.0, 7.0, 20.0, 8.0)])
+    lanes[0] |= {"rows_rounds": [4.2, 4.1, 4.3], "gemm_rounds": [9.0] * 3,
+                 "lanes_s": 5.0, "lanes_rounds": [3.9, 4.0, 4.0]}  # fmt: skip
+    lanes[1] |= {"rows_rounds": [7.0, 7.1, 7.2], "gemm_rounds": [6.0] * 3,
+                 "lanes_s": 3.0, "lanes_rounds": [7.0] * 3}  # fmt: skip
+    for point in lanes:
+        point["tiles_rounds"] = [99.0] * 3
+    plan = plan_from_timings(lanes)  # at 16 the lanes GEMM's rounds, not its median, meet the rows'
+    assert (plan.gemm_from, plan.lanes_until) == (16, 64)
+
+
 def test_a_two_four_plan_takes_the_lanes_gemm_where_it_beat_the_two_four_gemm():
     """A 2:4 layer's unstructured GEMM ("lanes") runs from the GEMM's start until the 2:4
     GEMM's last loss to it; the rows weigh against the faster of the two there."""
@@ -509,6 +545,7 @@ def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(mon
     """Where the grouped layout does not run (float32 here), the plan times the op over the
     rows spread as ``CpuBitmaskLinear.from_compressed`` holds them (``cpu.row_spread``), not
     over the format's rows back to back: 25 % of 4096 float32 inputs is 4 KiB a row."""
+    from whisper_modifiers.sparse_serving.cpu import plan_timing
     from whisper_modifiers.sparse_serving.cpu import plans as cpu_plans
     from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear
     from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
@@ -520,8 +557,8 @@ def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(mon
         return x.new_zeros(*x.shape[:-1], bitmask.shape[0])
 
     weight = cpu_plans.random_unstructured(8, 4096, torch.float32, 0.25)
-    monkeypatch.setattr(cpu_plans, "bitmask_cpu_linear", recording)
-    monkeypatch.setattr(cpu_plans, "random_unstructured",
+    monkeypatch.setattr(plan_timing, "bitmask_cpu_linear", recording)
+    monkeypatch.setattr(plan_timing, "random_unstructured",
                         lambda rows, columns, dtype, density: weight)  # fmt: skip
     cpu_plans.measure_cpu_plan(8, 4096, torch.float32, ladder=(1,), density=0.25)
     served = CpuBitmaskLinear.from_compressed(*compress_bitmask(weight), 4096)

@@ -14,8 +14,11 @@ token count on the path that won there (``gemm_from``, ``lanes_until``, ``tiled_
 oneDNN and so for AMX where the CPU has it, must win by ``TILES_MARGIN``), and says whether
 the op beat dense at one token (``faster_at_decode``:
 where it lost, the ``auto`` kernel mode serves the layer dense, decompressed). The paths
-of a point are timed in turn, round after round, and each takes its median: noise on a
-shared machine then moves every path alike.
+of a point are timed in turn, round after round, and two paths compare by the median of
+their rounds' ratios: a slow spell on a shared machine then slows both sides of a ratio.
+(Compared by their medians of three rounds, a 4096 x 14336 plan took the tiles at 512 tokens,
+208.9 against the GEMM's 254.1 ms, in a spell that had dense at 214.5; the tiles' 0.91x
+vLLM's GEMM in the op table after, where the GEMM took 0.97x.)
 
 Imports only torch (and this subpackage).
 """
@@ -26,39 +29,35 @@ import hashlib
 import json
 import statistics
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from whisper_modifiers.sparse_serving.cpu.build import loaded_build_key
 from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_identity
-from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_for_op
-from whisper_modifiers.sparse_serving.cpu.op import (
-    NO_TILES,
-    bitmask_cpu_linear,
-    brgemm_kernel,
-    cpu_isa,
-    gemm_runs,
-    grouped_cpu_linear,
-    grouped_layout_runs,
-    sparse24_cpu_linear,
+from whisper_modifiers.sparse_serving.cpu.op import NO_TILES, cpu_isa
+from whisper_modifiers.sparse_serving.cpu.plan_timing import (
+    PATH_THRESHOLDS,
+    PATHS,
+    bitmask_thresholds,
+    path_timings,
+    random_two_four,
+    random_unstructured,
 )
-from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
-from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
-from whisper_modifiers.sparse_serving.format.two_four import compress_24
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE
 from whisper_modifiers.sparse_serving.paths import cache_dir, write_json_atomically
 
 __all__ = [
+    "PATHS",
+    "PATH_THRESHOLDS",
     "TOKEN_LADDER",
     "CpuPlan",
     "cpu_plan",
     "measure_cpu_plan",
     "plan_density",
     "plan_from_timings",
+    "bitmask_thresholds",
     "random_two_four",
     "random_unstructured",
 ]
@@ -68,22 +67,9 @@ __all__ = [
 # tokens: rows 141 / 536 ms, tiles 134 / 310); a ladder that stopped at 256 kept the rows at
 # 512 where the tiles took 0.40x their time (4096 x 14336)
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256, 512)
-TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least 3 rounds)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
-PLAN_VERSION = 8  # 7: unstructured rows timed spread, as served; 8: grouped in huge pages
+PLAN_VERSION = 9  # 7: unstructured rows timed spread; 8: grouped in huge pages; 9: paired rounds
 DENSITY_STEP = 0.05  # an unstructured layer's plan is measured at its density rounded to this
-PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
-# (tiled_from, gemm_from, lanes_until, brgemm_until) of the op that takes each path at every
-# token count: sparse24_cpu_linear's order; bitmask_cpu_linear takes bitmask_thresholds'
-PATH_THRESHOLDS = {"rows": (NO_TILES, NO_TILES, 0, 0), "gemm": (NO_TILES, 0, 0, 0),
-                   "lanes": (NO_TILES, 0, NO_TILES, 0), "tiles": (0, NO_TILES, 0, 0),
-                   "brgemm": (0, NO_TILES, 0, NO_TILES)}  # fmt: skip
-
-
-def bitmask_thresholds(thresholds: tuple) -> tuple:
-    """A ``PATH_THRESHOLDS`` entry in ``bitmask_cpu_linear``'s order (no lanes)."""
-    tiled_from, gemm_from, _, brgemm_until = thresholds
-    return tiled_from, gemm_from, brgemm_until
 
 
 @dataclass(frozen=True)
@@ -141,112 +127,51 @@ class CpuPlan:
                 f"at the dense weights' memory")  # fmt: skip
 
 
-def random_two_four(rows: int, columns: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """A random exactly 2:4 weight (the two largest of every four kept)."""
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(rows, columns, generator=generator).to(dtype)
-    groups = weight.reshape(rows, -1, 4)
-    keep = torch.zeros_like(groups, dtype=torch.bool)
-    keep.scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
-    return (groups * keep).reshape(rows, columns)
-
-
-def random_unstructured(rows: int, columns: int, dtype: torch.dtype, density: float,
-                        seed: int = 0) -> torch.Tensor:  # fmt: skip
-    """A random weight keeping ``density`` of its values, anywhere (by a random score)."""
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(rows, columns, generator=generator).to(dtype)
-    return weight * (torch.rand(rows, columns, generator=generator) < density)
-
-
 def plan_density(density: float | None) -> float | None:
     """An unstructured layer's density as its plan is measured (None: a 2:4 layer)."""
     return None if density is None else round(round(density / DENSITY_STEP) * DENSITY_STEP, 2)
 
 
-def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
-    """The paths worth timing here: the rows and the tiles; the GEMM where it runs (and for a
-    2:4 layer the lanes); the micro-kernel's tiles where they run on AMX tiles (on the Zen 5
-    EPYC's AVX512_BF16 micro-kernel they lost to the GEMM on every 7B shape timed, from 16
-    to 512 tokens: docs/serving.md, "On an AMX Xeon")."""
-    gemm = gemm_runs(dtype, dtype)
-    extra = {"gemm": gemm, "lanes": gemm and density is None,
-             "brgemm": gemm and brgemm_kernel() == "amx"}  # fmt: skip
-    return [path for path in PATHS if path in ("rows", "tiles") or extra[path]]
-
-
-def _op_paths(out_features: int, in_features: int, dtype: torch.dtype,
-              density: float | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
-    """A random weight of the layout (2:4 where ``density`` is None, else unstructured at
-    ``density``, held as the served modules hold it: grouped where ``grouped_layout_runs``,
-    else its rows spread, ``cpu.row_spread``) and, by
-    path, ``run(x)`` of the op on it (the GEMMs where they run; "lanes", the unstructured
-    GEMM over a 2:4 layer's rows, for 2:4 layers)."""
-    paths = _measured_paths(dtype, density)
-    if density is None:
-        dense = random_two_four(out_features, in_features, dtype)
-        compressed, bitmask = compress_24(dense)
-        return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: sparse24_cpu_linear(
-            x, compressed, bitmask, None, in_features, *t) for path in paths}  # fmt: skip
-    dense = random_unstructured(out_features, in_features, dtype, density)
-    values, bitmask, row_offsets = compress_bitmask(dense)
-    if grouped_layout_runs(dtype):  # in the layout the served modules hold here
-        grouped = group_for_op(values, bitmask, row_offsets, in_features)
-        return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: grouped_cpu_linear(
-            x, *grouped, None, in_features, out_features, *bitmask_thresholds(t))
-            for path in paths}  # fmt: skip
-    values, row_offsets = spread_for_op(values, row_offsets)  # as CpuBitmaskLinear holds them
-    return dense, {path: lambda x, t=PATH_THRESHOLDS[path]: bitmask_cpu_linear(
-        x, values, bitmask, row_offsets, None, in_features, *bitmask_thresholds(t))
-        for path in paths}  # fmt: skip
-
-
-def _seconds(fns: dict) -> dict:
-    """Median wall time of each of ``fns``, run in turn, round after round: at least 3
-    rounds, and until each has had ``TIME_BUDGET`` seconds (at most 50 rounds)."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up
-        fn()
-    while len(next(iter(times.values()))) < 3 or (
-            min(map(sum, times.values())) < TIME_BUDGET and len(times["dense"]) < 50):  # fmt: skip
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def measure_cpu_plan(out_features: int, in_features: int, dtype: torch.dtype,
                      ladder=TOKEN_LADDER, density: float | None = None,
                      ) -> tuple[CpuPlan, list[dict]]:  # fmt: skip
-    """Time the op's paths (``_op_paths``) and dense ``F.linear`` at each ladder token count
-    on a random weight of the layout; the plan and the timings."""
-    dense, paths = _op_paths(out_features, in_features, dtype, density)
-    timings = []
-    with torch.no_grad():
-        for tokens in ladder:
-            x = torch.randn(tokens, in_features).to(dtype)
-            fns = {"dense": lambda x=x: F.linear(x, dense)}
-            fns |= {path: lambda x=x, run=run: run(x) for path, run in paths.items()}
-            seconds = _seconds(fns)
-            timings.append({"tokens": tokens} | {f"{name}_s": s for name, s in seconds.items()})
+    """Time the op's paths and dense ``F.linear`` at each ladder token count on a random
+    weight of the layout (``plan_timing.path_timings``); the plan and the timings."""
+    timings = path_timings(out_features, in_features, dtype, ladder, density)
     return plan_from_timings(timings), timings
+
+
+def _time_ratio(timing: dict, path: str, rival: str) -> float:
+    """``path``'s time over ``rival``'s at a ladder point: the median over the rounds of each
+    round's ratio where both were timed round by round (``{name}_rounds``; a slow spell on
+    the shared machine then slows both sides of a ratio, where it could take one side's
+    median alone), else the ratio of their medians."""
+    mine, theirs = timing.get(f"{path}_rounds"), timing.get(f"{rival}_rounds")
+    if mine and theirs and len(mine) == len(theirs):
+        return statistics.median(m / t for m, t in zip(mine, theirs, strict=True))
+    return timing[f"{path}_s"] / timing[f"{rival}_s"]
 
 
 def _first_of_winning_run(timings: list[dict], path: str, rivals: list[str],
                           margin: float = 1.0) -> int:  # fmt: skip
     """The lowest ladder count from which ``path`` took at most ``margin`` times the time
-    of each of ``rivals`` at that count and every count above it (``NO_TILES`` where it
-    lost at the top)."""
+    of each of ``rivals`` at that count and every count above it (``_time_ratio``;
+    ``NO_TILES`` where it lost at the top)."""
     start = NO_TILES
     for timing in reversed(timings):
         if timing.get(f"{path}_s") is None:
             break
-        if any(timing[f"{path}_s"] > margin * timing[f"{rival}_s"] for rival in rivals
+        if any(_time_ratio(timing, path, rival) > margin for rival in rivals
                if timing.get(f"{rival}_s") is not None):  # fmt: skip
             break
         start = timing["tokens"]
     return start
+
+
+def _timed_as(timing: dict, path: str, source: str) -> dict:
+    """A ladder point with ``source``'s times (median and rounds) standing for ``path``'s."""
+    return timing | {f"{path}_s": timing[f"{source}_s"],
+                     f"{path}_rounds": timing.get(f"{source}_rounds")}  # fmt: skip
 
 
 def plan_from_timings(timings: list[dict]) -> CpuPlan:
@@ -259,8 +184,9 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
     the tiles are ATen's from the lowest of their counts from which ATen's were never slower
     (``brgemm_until``; on an AMX Xeon's host the micro-kernel won at 16 tokens, by 2.6x on
     4096 x 11008, and ATen's at 512, by 1.8x)."""
-    faster_tiles = [t | {"tiles_s": min(t["tiles_s"], t["brgemm_s"])}
-                    if t.get("brgemm_s") is not None else t for t in timings]  # fmt: skip
+    faster_tiles = [_timed_as(t, "tiles", "brgemm")
+                    if t.get("brgemm_s") is not None and t["brgemm_s"] < t["tiles_s"] else t
+                    for t in timings]  # fmt: skip
     tiled_from = _first_of_winning_run(faster_tiles, "tiles", ["rows", "gemm", "lanes"],
                                        TILES_MARGIN)  # fmt: skip
     tiled = [t for t in timings if t["tokens"] >= tiled_from and t.get("brgemm_s") is not None]
@@ -269,7 +195,7 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
     lanes_until = 0
     if below and any(timing.get("lanes_s") is not None for timing in below):
         lanes_until = _first_of_winning_run(below, "gemm", ["lanes"])
-    chosen = [timing | {"gemm_s": timing["lanes_s"]} if timing["tokens"] < lanes_until
+    chosen = [_timed_as(timing, "gemm", "lanes") if timing["tokens"] < lanes_until
               else timing for timing in below]  # fmt: skip
     gemm_from = _first_of_winning_run(chosen, "gemm", ["rows"]) if below else NO_TILES
     paths = CpuPlan(tiled_from, False, gemm_from, (), lanes_until, brgemm_until)
