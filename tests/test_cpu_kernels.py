@@ -288,6 +288,12 @@ def test_plan_compares_paths_by_their_rounds_ratios():
     assert plan_from_timings(timings).tiled_from == 512  # ATen's tiles the faster (94 ms)
     timings[1]["brgemm_s"] = 92.0  # the micro-kernel's median the faster: its rounds stand
     assert plan_from_timings(timings).tiled_from == NO_TILES
+    # dense against the op's path, too: rounds' ratios (1.0, 1.0, 0.77, 1.0, 1.0) at 512
+    timed(timings[1], dense=[100.0, 101.0, 100.0, 250.0, 260.0])
+    assert plan_from_timings(timings).speedups[1] == (512, 1.0)
+    timed(timings[0], rows=[1.0, 2.0, 3.0], dense=[0.9, 3.5, 2.8])  # lost two rounds of 3
+    assert timings[0]["dense_s"] / timings[0]["rows_s"] == 1.4  # by medians it won
+    assert not plan_from_timings(timings).faster_at_decode
     lanes = timings_table([(16, 4.0, 4.0, 9.0, 4.0), (64, 8.0, 7.0, 20.0, 8.0)])
     lanes[0] |= {"rows_rounds": [4.2, 4.1, 4.3], "gemm_rounds": [9.0] * 3,
                  "lanes_s": 5.0, "lanes_rounds": [3.9, 4.0, 4.0]}  # fmt: skip

@@ -14,8 +14,9 @@ token count on the path that won there (``gemm_from``, ``lanes_until``, ``tiled_
 oneDNN and so for AMX where the CPU has it, must win by ``TILES_MARGIN``), and says whether
 the op beat dense at one token (``faster_at_decode``:
 where it lost, the ``auto`` kernel mode serves the layer dense, decompressed). The paths
-of a point are timed in turn, round after round, and two paths compare by the median of
-their rounds' ratios: a slow spell on a shared machine then slows both sides of a ratio.
+of a point and dense are timed in turn, round after round, and two of them compare by the
+median of their rounds' ratios: a slow spell on a shared machine then slows both sides of a
+ratio.
 (Compared by their medians of three rounds, a 4096 x 14336 plan took the tiles at 512 tokens,
 208.9 against the GEMM's 254.1 ms, in a spell that had dense at 214.5; the tiles' 0.91x
 vLLM's GEMM in the op table after, where the GEMM took 0.97x.)
@@ -199,7 +200,7 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
               else timing for timing in below]  # fmt: skip
     gemm_from = _first_of_winning_run(chosen, "gemm", ["rows"]) if below else NO_TILES
     paths = CpuPlan(tiled_from, False, gemm_from, (), lanes_until, brgemm_until)
-    speedups = tuple((t["tokens"], t["dense_s"] / t[f"{paths.path(t['tokens'])}_s"])
+    speedups = tuple((t["tokens"], _time_ratio(t, "dense", paths.path(t["tokens"])))
                      for t in timings)  # fmt: skip
     return CpuPlan(tiled_from, speedups[0][1] >= 1.0, gemm_from, speedups, lanes_until,
                    brgemm_until)  # fmt: skip
