@@ -76,7 +76,10 @@ def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int,
         grouped_layout_runs,
         sparse24_cpu_linear,
     )
-    from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
+    from whisper_modifiers.sparse_serving.cpu.plan_timing import (
+        random_two_four,
+        random_unstructured,
+    )
     from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
     from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
     from whisper_modifiers.sparse_serving.format.two_four import compress_24

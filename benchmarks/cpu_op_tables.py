@@ -15,7 +15,7 @@ def _wrapped(cpu: str) -> str:
 
 
 def markdown(payload: dict) -> str:
-    from whisper_modifiers.sparse_serving.cpu.plans import PATHS  # the op's paths: columns
+    from whisper_modifiers.sparse_serving.cpu.plan_timing import PATHS  # the op's paths: columns
 
     vllm = any(row.get("vllm_ratio") for rows in payload["shapes"].values() for row in rows)
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",

@@ -91,7 +91,8 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
     import torch.nn.functional as F
 
     from whisper_modifiers.sparse_serving.cpu.op import brgemm_kernel, gemm_runs
-    from whisper_modifiers.sparse_serving.cpu.plans import PATH_THRESHOLDS, cpu_plan
+    from whisper_modifiers.sparse_serving.cpu.plan_timing import PATH_THRESHOLDS
+    from whisper_modifiers.sparse_serving.cpu.plans import cpu_plan
 
     dense_bytes = rows * columns * dtype.itemsize
     copies = max(2, -(-args.working_set * 2**20 // dense_bytes))

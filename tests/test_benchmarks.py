@@ -390,7 +390,10 @@ def test_profile_watches_the_cpu_op():
         cpu_kernels_unavailable,
         sparse24_cpu_linear,
     )
-    from whisper_modifiers.sparse_serving.cpu.plans import random_two_four, random_unstructured
+    from whisper_modifiers.sparse_serving.cpu.plan_timing import (
+        random_two_four,
+        random_unstructured,
+    )
     from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
     from whisper_modifiers.sparse_serving.format.two_four import compress_24
 

@@ -38,12 +38,12 @@ from whisper_modifiers.sparse_serving.cpu.op import (
     sparse24_cpu_linear,
     supported_isas,
 )
-from whisper_modifiers.sparse_serving.cpu.plans import (
+from whisper_modifiers.sparse_serving.cpu.plan_timing import (
     PATH_THRESHOLDS,
     bitmask_thresholds,
-    plan_from_timings,
     random_two_four,
 )
+from whisper_modifiers.sparse_serving.cpu.plans import plan_from_timings
 from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
 from whisper_modifiers.sparse_serving.format.two_four import compress_24, decompress_24
 
@@ -534,7 +534,8 @@ def test_an_unstructured_plan_is_measured_on_each_path_that_runs(dtype):
     """The plan of an unstructured layer times the row kernels, the tiles and, where it runs
     (``gemm_runs``), the unstructured GEMM against dense, on a random weight of that
     density."""
-    from whisper_modifiers.sparse_serving.cpu.plans import measure_cpu_plan, random_unstructured
+    from whisper_modifiers.sparse_serving.cpu.plan_timing import random_unstructured
+    from whisper_modifiers.sparse_serving.cpu.plans import measure_cpu_plan
 
     weight = random_unstructured(64, 256, dtype, 0.35)
     assert abs((weight != 0).float().mean().item() - 0.35) < 0.02
@@ -562,7 +563,7 @@ def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(mon
         seen.append((values.numel(), row_offsets.clone()))
         return x.new_zeros(*x.shape[:-1], bitmask.shape[0])
 
-    weight = cpu_plans.random_unstructured(8, 4096, torch.float32, 0.25)
+    weight = plan_timing.random_unstructured(8, 4096, torch.float32, 0.25)
     monkeypatch.setattr(plan_timing, "bitmask_cpu_linear", recording)
     monkeypatch.setattr(plan_timing, "random_unstructured",
                         lambda rows, columns, dtype, density: weight)  # fmt: skip

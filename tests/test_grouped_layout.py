@@ -17,7 +17,7 @@ from whisper_modifiers.sparse_serving.cpu.grouped_layout import (
     STEP_INPUTS,
     group_layout,
 )
-from whisper_modifiers.sparse_serving.cpu.plans import PATH_THRESHOLDS, bitmask_thresholds
+from whisper_modifiers.sparse_serving.cpu.plan_timing import PATH_THRESHOLDS, bitmask_thresholds
 from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
 
 SHAPES = [(1, 1), (5, 12), (7, 37), (8, 32), (16, 64), (33, 100), (17, 4100), (9, 2049),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from test_cpu_kernels import BITMASK_PATHS, integer_sparse, isa  # noqa: F401 (isa: a fixture)
 from whisper_modifiers.sparse_serving.cpu import op as kernels
-from whisper_modifiers.sparse_serving.cpu.plans import PATH_THRESHOLDS, bitmask_thresholds
+from whisper_modifiers.sparse_serving.cpu.plan_timing import PATH_THRESHOLDS, bitmask_thresholds
 from whisper_modifiers.sparse_serving.cpu.row_spread import (
     PAGE_BYTES,
     SPREAD_BYTES,

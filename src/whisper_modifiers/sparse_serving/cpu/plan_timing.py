@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least LEAST_ROUNDS)
-LEAST_ROUNDS = 5  # rounds per measured point: a 512-token point of a 7B layer takes 0.1-0.3 s
+LEAST_ROUNDS = 5  # rounds per measured point: a 512-token point of a 7B layer takes 0.1-0.6 s
 
 PATHS = ("rows", "gemm", "lanes", "tiles", "brgemm")
 # (tiled_from, gemm_from, lanes_until, brgemm_until) of the op that takes each path at every

@@ -38,29 +38,17 @@ import torch
 from whisper_modifiers.sparse_serving.cpu.build import loaded_build_key
 from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_identity
 from whisper_modifiers.sparse_serving.cpu.op import NO_TILES, cpu_isa
-from whisper_modifiers.sparse_serving.cpu.plan_timing import (
-    PATH_THRESHOLDS,
-    PATHS,
-    bitmask_thresholds,
-    path_timings,
-    random_two_four,
-    random_unstructured,
-)
+from whisper_modifiers.sparse_serving.cpu.plan_timing import path_timings
 from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE
 from whisper_modifiers.sparse_serving.paths import cache_dir, write_json_atomically
 
 __all__ = [
-    "PATHS",
-    "PATH_THRESHOLDS",
     "TOKEN_LADDER",
     "CpuPlan",
     "cpu_plan",
     "measure_cpu_plan",
     "plan_density",
     "plan_from_timings",
-    "bitmask_thresholds",
-    "random_two_four",
-    "random_unstructured",
 ]
 
 # up to 512: the row kernels' tiles of four tokens read all of x once per group of rows, and a
