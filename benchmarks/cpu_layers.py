@@ -1,7 +1,7 @@
 """What the CPU benchmarks share: the Llama projections they time (``SHAPES``), this CPU's
 line (``cpu_line``), vLLM's dense CPU GEMM as its unquantized layers run it
 (``vllm_dense_linear``), and random layers in each layout as the vLLM plugin holds them
-(``op_layers``). ``cpu_sparse24.py`` times them shape by shape, ``cpu_token_pass.py`` layer
+(``op_layers``). ``cpu_sparse_op.py`` times them shape by shape, ``cpu_token_pass.py`` layer
 after layer; the vLLM benchmarks label their CPU by ``cpu_line``. Imports neither loguru nor
 llmcompressor (a GPU machine's image has neither).
 """
@@ -15,7 +15,7 @@ SHAPES = {  # (out, in) of each projection as vLLM runs it
            "down": (4096, 14336)},
 }  # fmt: skip
 
-# cpu_sparse24.py's --isa below this CPU's kernels caps dense alike, as torch and oneDNN run
+# cpu_sparse_op.py's --isa below this CPU's kernels caps dense alike, as torch and oneDNN run
 # on such a CPU: each reads its cap once, when first used, so the process starts with these
 # set (``cpu_sparse24.main`` runs itself again where they are not). Without AVX512_BF16,
 # torch's bfloat16 F.linear is ATen's own GEMM on AVX2 and oneDNN's emulation on AVX-512.
@@ -30,8 +30,8 @@ def cpu_line(capped_from: str | None = None) -> str:
     CPU's own (``capped_from``), how dense was capped alike."""
     import torch
 
-    from whisper_modifiers.sparse_serving.cpu.cpu_info import CPU_FLAGS, cpu_flag_set, cpu_model
-    from whisper_modifiers.sparse_serving.cpu.op import cpu_isa
+    from whisper_sparse.cpu.cpu_info import CPU_FLAGS, cpu_flag_set, cpu_model
+    from whisper_sparse.cpu.op import cpu_isa
 
     flags = cpu_flag_set()
     shown = " ".join(flag for flag in (*CPU_FLAGS, "avx512_vbmi2") if flag in flags)
@@ -61,46 +61,34 @@ def vllm_dense_linear():
     return linear_for
 
 
-def op_layers(rows: int, columns: int, dtype, sparsity: str, copies: int,
-              grouped: bool | None = None):  # fmt: skip
+def op_layers(
+    rows: int, columns: int, dtype, sparsity: str, copies: int, grouped: bool | None = None
+):
     """``copies`` random weights of the layout (``2:4``, or unstructured at ``sparsity``),
-    their compressed bytes, and ``run(x, tiled_from, gemm_from, lanes_until, brgemm_until)``
-    of the op on each, an unstructured layer held as the vLLM plugin holds it (``grouped``
-    None): grouped where ``grouped_layout_runs`` (``cpu.grouped_layout.group_for_op``, in
-    huge pages where offered), else its rows spread in memory (``cpu.row_spread``);
-    ``grouped`` False: its rows spread wherever. Its bytes are the checkpoint's."""
-    from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_for_op
-    from whisper_modifiers.sparse_serving.cpu.op import (
-        bitmask_cpu_linear,
-        grouped_cpu_linear,
-        grouped_layout_runs,
-        sparse24_cpu_linear,
-    )
-    from whisper_modifiers.sparse_serving.cpu.plan_timing import (
+    their compressed bytes, and ``run(x, thresholds)`` of the op on each (a
+    ``PathThresholds``), each in the served form (``cpu.served_layer``): an unstructured
+    layer grouped where the vLLM plugin groups it (``grouped`` None), else as ``grouped``
+    says (False: its rows spread wherever). Its bytes are the checkpoint's."""
+    from whisper_sparse.cpu.served_layer import (
         random_two_four,
         random_unstructured,
+        served_layer,
     )
-    from whisper_modifiers.sparse_serving.cpu.row_spread import spread_for_op
-    from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
-    from whisper_modifiers.sparse_serving.format.two_four import compress_24
+    from whisper_sparse.format.bitmask import compress_bitmask
+    from whisper_sparse.format.two_four import compress_24
 
     if sparsity == "2:4":
         dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
-        stored = [compress_24(weight) for weight in dense]
-        runs = [lambda x, t, g, lanes, brgemm, c=c, b=b: sparse24_cpu_linear(
-            x, c, b, None, columns, t, g, lanes, brgemm) for c, b in stored]  # fmt: skip
+        served = [served_layer(*compress_24(weight), columns) for weight in dense]
+        runs = [lambda x, thresholds, layer=layer: layer.linear(x, None, thresholds)
+                for layer in served]  # fmt: skip
         return dense, rows * (columns // 2 * dtype.itemsize + -(-columns // 8)), runs
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
-    if grouped_layout_runs(dtype) if grouped is None else grouped:
-        held = [group_for_op(v, b, o, columns) for v, b, o in stored]
-        runs = [lambda x, t, g, lanes, brgemm, layer=layer: grouped_cpu_linear(
-            x, *layer, None, columns, rows, t, g, brgemm) for layer in held]  # fmt: skip
-    else:
-        served = [(*spread_for_op(v, o), b) for v, b, o in stored]
-        runs = [lambda x, t, g, lanes, brgemm, v=v, b=b, o=o: bitmask_cpu_linear(
-            x, v, b, o, None, columns, t, g, brgemm) for v, o, b in served]  # fmt: skip
+    served = [served_layer(v, b, columns, o, grouped=grouped) for v, b, o in stored]
+    runs = [lambda x, thresholds, layer=layer: layer.linear(x, None, thresholds)
+            for layer in served]  # fmt: skip
     values, bitmask, offsets = stored[0]
     size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
     return dense, size, runs

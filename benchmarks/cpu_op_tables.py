@@ -1,4 +1,4 @@
-"""The op benchmark's tables and plots (``cpu_sparse24.py``'s results): one table per
+"""The op benchmark's tables and plots (``cpu_sparse_op.py``'s results): one table per
 layout, and over several sparsities a summary by sparsity with the plot of speed against
 sparsity next to the bytes bound."""
 
@@ -15,7 +15,7 @@ def _wrapped(cpu: str) -> str:
 
 
 def markdown(payload: dict) -> str:
-    from whisper_modifiers.sparse_serving.cpu.plan_timing import PATHS  # the op's paths: columns
+    from whisper_sparse.cpu.op import PATHS  # the op's paths: columns
 
     vllm = any(row.get("vllm_ratio") for rows in payload["shapes"].values() for row in rows)
     lines = [f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})", "",

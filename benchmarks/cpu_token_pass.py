@@ -1,6 +1,6 @@
 """One decode step's decoder Linears on a CPU, layer after layer in model order, the CPU op
 against dense: what the op gives a served model's step, between the op-level figures
-(``cpu_sparse24.py``: one shape, its copies cycled) and vLLM end to end.
+(``cpu_sparse_op.py``: one shape, its copies cycled) and vLLM end to end.
 
     .venv-serve/bin/python benchmarks/cpu_token_pass.py --layers 8 --sparsity 2:4 0.5 0.65
     python benchmarks/cpu_token_pass.py --layers 2 --tokens 1 4 --dtype float32
@@ -48,7 +48,7 @@ def model_sides(args, dtype) -> tuple[dict, dict, str]:
     and the weight bytes a pass reads; and the dense baseline's name."""
     import torch.nn.functional as F
 
-    from whisper_modifiers.sparse_serving.cpu.plans import cpu_plan
+    from whisper_sparse.cpu.plans import cpu_plan
 
     projections = SHAPES[args.shapes]
     linear_for = vllm_dense_linear()
@@ -64,9 +64,7 @@ def model_sides(args, dtype) -> tuple[dict, dict, str]:
             dense, size, runs = op_layers(rows, columns, dtype, sparsity, args.layers, grouped)
             density = None if sparsity == "2:4" else 1 - float(sparsity)
             plan = cpu_plan(rows, columns, dtype, density)
-            thresholds = (plan.tiled_from, plan.gemm_from, plan.lanes_until, plan.brgemm_until)
-            by_projection[name, side] = [
-                lambda x, run=run, t=thresholds: run(x, *t) for run in runs]  # fmt: skip
+            by_projection[name, side] = [lambda x, run=run, p=plan: run(x, p) for run in runs]
             weight_bytes[side] += size * args.layers
         calls = [linear_for(w) for w in dense] if linear_for else [
             lambda x, w=w: F.linear(x, w) for w in dense]  # fmt: skip

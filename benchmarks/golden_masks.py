@@ -103,7 +103,7 @@ def record_all() -> dict:
 
     import whisper_modifiers  # noqa: F401
     from whisper_modifiers.data import calibration_dataset
-    from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_model
+    from whisper_sparse.cpu.cpu_info import cpu_model
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:100_000]

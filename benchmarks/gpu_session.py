@@ -16,7 +16,7 @@ procedure beside our methods, ``speed.py --reference``) and ``cuda-tests``, with
 command's 570 seconds (rows are written as they come). On an H100 on 2026-11-26 the table
 took about 5 minutes, the tests 30 seconds; on an H200 on 2026-11-27 the table took 6, and a
 profile after the tests ran out of the call's time twice. A third call, with the device
-time left, carries nothing and runs ``cpu-op``, the CPU op (``cpu_sparse24.py``, 2:4 and
+time left, carries nothing and runs ``cpu-op``, the CPU op (``cpu_sparse_op.py``, 2:4 and
 50 % on the 7B shapes at 16 and 512 tokens, where the plan picks between its two kinds of
 tiles) on the GPU machine's own CPU, pinned to 2 cores (the H200s' hosts are AMX Xeons, the
 CPU kind no other session has), then ``profile`` (Whisper on 16 sequences: torch.profiler's
@@ -179,7 +179,7 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
                    "sparse", "--profile", "--out", str(out)]],
         "serve-capture": [[*speed, *CAPTURE, "--out", str(out / "capture")]],
         "cpu-op": [["env", "OMP_NUM_THREADS=2", "taskset", "-c", "0,1", python,
-                    "benchmarks/cpu_sparse24.py", *CPU_OP, "--out", str(out / "cpu_op")]],
+                    "benchmarks/cpu_sparse_op.py", *CPU_OP, "--out", str(out / "cpu_op")]],
         "correct": [[python, "benchmarks/vllm_correctness.py", "--dtype", "bfloat16",
                      "--recipes", "whisper_2of4", "whisper_2of4_fp8", "--out", str(out)]],
     }  # fmt: skip

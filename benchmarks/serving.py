@@ -51,7 +51,7 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
 
     from whisper_modifiers.checkpoint import load_checkpoint
     from whisper_modifiers.evaluation import perplexity
-    from whisper_modifiers.serving import (
+    from whisper_sparse.driver import (
         ServingUnavailable,
         run_vllm,
         scores_perplexity,
@@ -102,8 +102,8 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
 def takes_float32(directory: Path, plan) -> bool:
     """Whether vLLM's kernels for this checkpoint run in float32 here (unquantized
     checkpoints do; a quantized one's are asked, as ``serving_plan`` asks them)."""
-    from whisper_modifiers.serving.probe import probe_dtypes
-    from whisper_modifiers.serving.worker_process import serving_python
+    from whisper_sparse.driver.probe import probe_dtypes
+    from whisper_sparse.driver.worker_process import serving_python
 
     if plan.resolved is None:  # not quantized, or not on a CPU: vLLM's dense path
         return True
@@ -115,8 +115,8 @@ def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int, dty
     """What vLLM alone does with an FP8 chain on a CPU whose FP8 path is its emulation:
     the chain's dense layout (which the plugin does not load) run by vLLM's own
     compressed-tensors kernels, bypassing ``serving_plan``'s refusal, bounded in time."""
-    from whisper_modifiers.serving.worker_process import WorkerFailed, run_worker, serving_python
-    from whisper_modifiers.sparse_serving.format.layout import write_dense_layout
+    from whisper_sparse.driver.worker_process import WorkerFailed, run_worker, serving_python
+    from whisper_sparse.format.layout import write_dense_layout
 
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +138,7 @@ def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int, dty
 
 def cpu_kind() -> tuple[str, str]:
     """This CPU's kind (one of ``CPU_KINDS``) and how the serving table names it."""
-    from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_flag_set, cpu_model
+    from whisper_sparse.cpu.cpu_info import cpu_flag_set, cpu_model
 
     flags = cpu_flag_set()
     if {"amx_int8", "amx_bf16"} <= flags:
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         )
         return 0
 
-    from whisper_modifiers.serving.capabilities import capabilities
+    from whisper_sparse.driver.capabilities import capabilities
 
     source, tokenizer, calibration, evaluation, ids = wikitext_setup(args.model)
     from whisper_modifiers.evaluation import evaluation_windows

@@ -1,4 +1,4 @@
-"""2:4 sparse GEMMs against dense on one GPU, in one run (``sparse_serving.gpu.kernels``).
+"""2:4 sparse GEMMs against dense on one GPU, in one run (``whisper_sparse.gpu.kernels``).
 
     python benchmarks/sparse_kernels.py                       # both sets
     python benchmarks/sparse_kernels.py --layers 8 --skip-per-shape
@@ -66,7 +66,7 @@ def per_shape(models, tokens, dtype) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from whisper_modifiers.sparse_serving.gpu import dispatch_plans, kernels
+    from whisper_sparse.gpu import dispatch_plans, kernels
 
     rows = []
     for model in models:
@@ -105,7 +105,7 @@ def per_shape(models, tokens, dtype) -> list[dict]:
 def time_forward(model, batch: int, sequence: int) -> tuple[float, str]:
     import torch
 
-    from whisper_modifiers.sparse_serving.gpu import dispatch_plans
+    from whisper_sparse.gpu import dispatch_plans
 
     ids = torch.randint(0, model.config.vocab_size, (batch, sequence), device="cuda")
 
@@ -137,7 +137,7 @@ def end_to_end(layers: int, forwards: list[str], dtype, compiled: bool) -> list[
     activation as a serving engine's kernels do, leaving the GEMMs as they are)."""
     import torch
 
-    from whisper_modifiers.sparse_serving.gpu import dispatch_plans, kernels
+    from whisper_sparse.gpu import dispatch_plans, kernels
 
     model = pruned_llama(layers, dtype)
     print(f"attention: {model.config._attn_implementation}", flush=True)
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sparse_kernels: no CUDA device here; nothing to measure (2:4 GEMMs need sm80+).")
         return 0
-    from whisper_modifiers.sparse_serving.gpu import sparse_op
+    from whisper_sparse.gpu import sparse_op
 
     if not sparse_op.sparse_kernel_available("cuda", torch.bfloat16):
         print(f"sparse_kernels: {torch.cuda.get_device_name()} has no cuSPARSELt 2:4 GEMM.")

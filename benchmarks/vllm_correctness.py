@@ -59,8 +59,8 @@ def compare(ours: dict, dense: dict) -> dict:
 
 def measure(checkpoint: Path, prompts, windows, max_tokens: int, dtype: str | None,
             timeout: float) -> dict:  # fmt: skip
-    from whisper_modifiers.serving import run_vllm, serving_dtype
-    from whisper_modifiers.sparse_serving.format.layout import write_dense_layout
+    from whisper_sparse.driver import run_vllm, serving_dtype
+    from whisper_sparse.format.layout import write_dense_layout
 
     dtype = dtype or serving_dtype(checkpoint)
     run = {"prompts": prompts, "score": windows, "max_tokens": max_tokens, "dtype": dtype,

@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from whisper_modifiers.sparse_serving.mode import KERNEL_MODE_VARIABLE, KERNEL_MODES
-from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import compilation_mode
+from whisper_sparse.mode import KERNEL_MODE_VARIABLE, KERNEL_MODES
+from whisper_sparse.vllm_adapter.compile_key import compilation_mode
 
 DECODE_PROMPT = 16  # prompt tokens of a decode workload's sequences
 DEFAULT_WORKLOADS = ["prefill:32x2048", "decode:1x128", "decode:64x256", "decode:256x128"]
@@ -204,8 +204,8 @@ def start_engine(args) -> tuple:
     import torch
     import vllm
 
-    from whisper_modifiers.sparse_serving.heap import release_freed_heap
-    from whisper_modifiers.sparse_serving.weight_bytes import sparse_weight_bytes
+    from whisper_sparse.heap import release_freed_heap
+    from whisper_sparse.weight_bytes import sparse_weight_bytes
 
     workloads = [Workload.parse(text) for text in args.workloads]
     on_gpu = torch.cuda.is_available()

@@ -44,8 +44,8 @@ from vllm_engine import Workload, check_workloads  # noqa: E402
 from vllm_paired_report import markdown, summarise  # noqa: E402
 from vllm_speed import build_checkpoints  # noqa: E402
 
-from whisper_modifiers.sparse_serving.heap import release_freed_heap  # noqa: E402
-from whisper_modifiers.sparse_serving.mode import KERNEL_MODES  # noqa: E402
+from whisper_sparse.heap import release_freed_heap  # noqa: E402
+from whisper_sparse.mode import KERNEL_MODES  # noqa: E402
 
 HELD_ENGINE = Path(__file__).with_name("vllm_held_engine.py")
 GPU_MEMORY = 0.85  # of a GPU's memory, shared by the engines held on it
@@ -57,7 +57,7 @@ class HeldEngine:
     lines."""
 
     def __init__(self, command: list[str], label: str, log: Path, timeout: float):
-        from whisper_modifiers.serving.worker_process import serving_env
+        from whisper_sparse.driver.worker_process import serving_env
 
         self.label, self.log, self.timeout = label, log, timeout
         read, write = os.pipe()
@@ -72,7 +72,7 @@ class HeldEngine:
         self.loaded = self.answer()
 
     def answer(self) -> dict:
-        from whisper_modifiers.serving.worker_process import WorkerFailed, control_line, last_lines
+        from whisper_sparse.driver.worker_process import WorkerFailed, control_line, last_lines
 
         line, ending = control_line(self.control, self.process, self.timeout)
         if line:
@@ -200,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from whisper_modifiers.serving.worker_process import serving_python
+    from whisper_sparse.driver.worker_process import serving_python
 
     args = parse_args(argv)
     python = str(serving_python(args.python))

@@ -49,7 +49,7 @@ from pruned_models import (  # noqa: E402
 from vllm_engine import DEFAULT_WORKLOADS, check_workloads  # noqa: E402
 from vllm_speed_report import sparsity_label, write_report  # noqa: E402
 
-from whisper_modifiers.sparse_serving.mode import KERNEL_MODES  # noqa: E402
+from whisper_sparse.mode import KERNEL_MODES  # noqa: E402
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 ENGINE_TIMEOUT = 900  # seconds: start (compile and graph capture) and every workload
@@ -63,7 +63,7 @@ def build_checkpoints(root: Path, shape: str, layers: int, dtype: str,
     the bitmask layout. Keyed ``dense`` and by ``sparsity_label``."""
     import torch
 
-    from whisper_modifiers.sparse_serving.format.layout import write_compressed
+    from whisper_sparse.format.layout import write_compressed
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,7 +103,7 @@ def engine_command(python: str, checkpoint: Path, label: str, mode: str, capture
 
 def run_engine(command: list[str], out: Path, timeout: float) -> dict:
     """One engine's result, or ``{"error": ...}`` with how it ended and its last lines."""
-    from whisper_modifiers.serving.worker_process import exit_description, last_lines, serving_env
+    from whisper_sparse.driver.worker_process import exit_description, last_lines, serving_env
 
     print("+ " + " ".join(command), flush=True)
     try:
@@ -183,7 +183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from whisper_modifiers.serving.worker_process import serving_python
+    from whisper_sparse.driver.worker_process import serving_python
 
     args = parse_args(argv)
     python = str(serving_python(args.python))

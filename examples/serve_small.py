@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from whisper_modifiers.cli import main as whisper_prune
-from whisper_modifiers.serving import Server
+from whisper_sparse.driver import Server
 
 output_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "ckpt"
 model = ["--model", sys.argv[2]] if len(sys.argv) > 2 else []  # default: the embedded model

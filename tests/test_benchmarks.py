@@ -184,31 +184,31 @@ def test_vllm_speed_refuses_a_bad_workload_before_any_engine(bad, capsys):
 
 @pytest.mark.parametrize("bad", ["3:4", "0", "1.0", "half"])
 def test_sparsity_benchmarks_refuse_a_bad_sparsity_before_any_work(bad, capsys):
-    import cpu_sparse24
+    import cpu_sparse_op
     import vllm_speed
 
     with pytest.raises(SystemExit):
         vllm_speed.parse_args(["--sparsity", "2:4", bad])
     with pytest.raises(SystemExit):
-        cpu_sparse24.main(["--sparsity", bad])
+        cpu_sparse_op.main(["--sparsity", bad])
     assert capsys.readouterr().err.count(f"--sparsity takes 2:4 or a fraction between 0 and 1, "
                                          f"not {bad!r}") == 2  # fmt: skip
 
 
 def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
-    """benchmarks/cpu_sparse24.py over 2:4 and two unstructured sparsities on one small
+    """benchmarks/cpu_sparse_op.py over 2:4 and two unstructured sparsities on one small
     shape: every layout timed against dense, the bytes of each layout, the summary table
     and the plot of speed against sparsity."""
-    import cpu_sparse24
+    import cpu_sparse_op
 
-    from whisper_modifiers.sparse_serving.cpu.op import cpu_isa, cpu_kernels_unavailable
+    from whisper_sparse.cpu.op import cpu_isa, cpu_kernels_unavailable
 
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
-    monkeypatch.setattr(cpu_sparse24, "SHAPES", {"7B": {"o": (64, 256)}})
+    monkeypatch.setattr(cpu_sparse_op, "SHAPES", {"7B": {"o": (64, 256)}})
     argv = ["--sparsity", "2:4", "0.5", "0.7", "--tokens", "1", "4", "--repeats", "1",
             "--working-set", "1", "--dtype", "float32", "--out", str(tmp_path)]  # fmt: skip
-    assert cpu_sparse24.main(argv) == 0
+    assert cpu_sparse_op.main(argv) == 0
     stem = tmp_path / f"cpu_sparse-{cpu_isa()}"
     payload = json.loads(stem.with_suffix(".json").read_text())
     assert list(payload["sparsities"]) == ["2:4", "0.5", "0.7"]
@@ -235,7 +235,7 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
     ``--rows``, each unstructured sparsity's layers held as rows too, the same weights."""
     import cpu_token_pass
 
-    from whisper_modifiers.sparse_serving.cpu.op import cpu_kernels_unavailable
+    from whisper_sparse.cpu.op import cpu_kernels_unavailable
 
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
@@ -276,9 +276,9 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
 def test_cpu_op_benchmark_times_the_micro_kernels_tiles_where_they_run(tmp_path, monkeypatch):
     """In bfloat16, the table has the tiles through oneDNN's micro-kernel ("brgemm") wherever
     they run (AMX tiles or AVX512_BF16), so an AMX session measures them beside ATen's."""
-    import cpu_sparse24
+    import cpu_sparse_op
 
-    from whisper_modifiers.sparse_serving.cpu.op import (
+    from whisper_sparse.cpu.op import (
         brgemm_kernel,
         cpu_kernels_unavailable,
         gemm_runs,
@@ -286,9 +286,9 @@ def test_cpu_op_benchmark_times_the_micro_kernels_tiles_where_they_run(tmp_path,
 
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
-    monkeypatch.setattr(cpu_sparse24, "SHAPES", {"7B": {"o": (64, 512)}})
+    monkeypatch.setattr(cpu_sparse_op, "SHAPES", {"7B": {"o": (64, 512)}})
     argv = ["--tokens", "16", "--repeats", "1", "--working-set", "1", "--out", str(tmp_path)]
-    assert cpu_sparse24.main(argv) == 0
+    assert cpu_sparse_op.main(argv) == 0
     (payload,) = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
     (row,) = payload["shapes"]["7B/o"]
     runs = brgemm_kernel() != "none" and gemm_runs(torch.bfloat16, torch.bfloat16)
@@ -303,7 +303,7 @@ def test_the_cpu_op_benchmark_runs_without_the_serving_driver():
 
     code = (
         "import sys; sys.modules['loguru'] = sys.modules['llmcompressor'] = None; "
-        "sys.path.insert(0, 'benchmarks'); import cpu_sparse24; print(cpu_sparse24.cpu_line())"
+        "sys.path.insert(0, 'benchmarks'); import cpu_sparse_op; print(cpu_sparse_op.cpu_line())"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
@@ -318,18 +318,18 @@ def test_cpu_op_benchmark_caps_the_op_and_dense_alike(tmp_path):
     import os
     import subprocess
 
-    import cpu_sparse24
+    import cpu_sparse_op
 
-    from whisper_modifiers.sparse_serving.cpu.op import cpu_isa, cpu_kernels_unavailable
+    from whisper_sparse.cpu.op import cpu_isa, cpu_kernels_unavailable
 
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
     argv = ["--isa", "avx2", "--tokens", "1", "4", "--repeats", "1", "--working-set", "1",
             "--out", str(tmp_path)]  # fmt: skip
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import cpu_sparse24; "
-            "cpu_sparse24.SHAPES = {'7B': {'o': (64, 256)}}; "
-            f"sys.exit(cpu_sparse24.main({argv!r}))")  # fmt: skip
-    env = os.environ | cpu_sparse24.DENSE_CAPS["avx2"]
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import cpu_sparse_op; "
+            "cpu_sparse_op.SHAPES = {'7B': {'o': (64, 256)}}; "
+            f"sys.exit(cpu_sparse_op.main({argv!r}))")  # fmt: skip
+    env = os.environ | cpu_sparse_op.DENSE_CAPS["avx2"]
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -347,27 +347,27 @@ def test_cpu_op_benchmark_caps_the_op_and_dense_alike(tmp_path):
 def test_cpu_op_benchmark_refuses_a_cap_the_process_did_not_start_with(capsys, monkeypatch):
     """In a process started without dense's caps, ``--isa avx2`` stops before any work and
     names them; from the command line the script starts itself again with them."""
-    import cpu_sparse24
+    import cpu_sparse_op
 
-    from whisper_modifiers.sparse_serving.cpu.op import CPU_ISAS
+    from whisper_sparse.cpu.op import CPU_ISAS
 
-    assert cpu_sparse24.ISAS == ("auto", *CPU_ISAS)  # the benchmark's choices, the op's kernels
-    for name in cpu_sparse24.DENSE_CAPS["avx2"]:
+    assert cpu_sparse_op.ISAS == ("auto", *CPU_ISAS)  # the benchmark's choices, the op's kernels
+    for name in cpu_sparse_op.DENSE_CAPS["avx2"]:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(SystemExit):
-        cpu_sparse24.main(["--isa", "avx2"])
+        cpu_sparse_op.main(["--isa", "avx2"])
     assert (
         "--isa avx2 caps dense alike: start Python with ONEDNN_MAX_CPU_ISA=AVX2 "
         "ATEN_CPU_CAPABILITY=avx2" in capsys.readouterr().err
     )
     started = []
-    monkeypatch.setattr(cpu_sparse24.os, "execve", lambda *call: started.append(call))
-    cpu_sparse24.run_again_with_dense_caps(["--isa", "avx2", "--tokens", "1"])
+    monkeypatch.setattr(cpu_sparse_op.os, "execve", lambda *call: started.append(call))
+    cpu_sparse_op.run_again_with_dense_caps(["--isa", "avx2", "--tokens", "1"])
     ((executable, argv, env),) = started
-    assert argv == [executable, cpu_sparse24.__file__, "--isa", "avx2", "--tokens", "1"]
+    assert argv == [executable, cpu_sparse_op.__file__, "--isa", "avx2", "--tokens", "1"]
     assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
     started.clear()
-    cpu_sparse24.run_again_with_dense_caps(["--tokens", "1"])  # no cap asked: no new start
+    cpu_sparse_op.run_again_with_dense_caps(["--tokens", "1"])  # no cap asked: no new start
     assert not started
 
 
@@ -385,17 +385,17 @@ def test_profile_watches_the_cpu_op():
     from torch.profiler import ProfilerActivity, profile
     from vllm_engine import profile_summary
 
-    from whisper_modifiers.sparse_serving.cpu.op import (
+    from whisper_sparse.cpu.op import (
         bitmask_cpu_linear,
         cpu_kernels_unavailable,
-        sparse24_cpu_linear,
+        two_four_cpu_linear,
     )
-    from whisper_modifiers.sparse_serving.cpu.plan_timing import (
+    from whisper_sparse.cpu.served_layer import (
         random_two_four,
         random_unstructured,
     )
-    from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
-    from whisper_modifiers.sparse_serving.format.two_four import compress_24
+    from whisper_sparse.format.bitmask import compress_bitmask
+    from whisper_sparse.format.two_four import compress_24
 
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
@@ -403,7 +403,7 @@ def test_profile_watches_the_cpu_op():
     two_four = compress_24(random_two_four(32, 64, torch.float32))
     unstructured = compress_bitmask(random_unstructured(32, 64, torch.float32, 0.4))
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        sparse24_cpu_linear(x, *two_four, None, 64)
+        two_four_cpu_linear(x, *two_four, None, 64)
         bitmask_cpu_linear(x, *unstructured, None, 64)
         bitmask_cpu_linear(x, *unstructured, None, 64)
     watched = profile_summary(profiler, on_gpu=False, top=5)["watched"]

@@ -1,4 +1,4 @@
-"""The unstructured layout (``sparse_serving.format.bitmask``): compressed-tensors' legacy
+"""The unstructured layout (``whisper_sparse.format.bitmask``): compressed-tensors' legacy
 ``sparse-bitmask`` tensors, a round trip bit for bit, and every corruption refused, naming
 the layer and the tensor, before any weight is used."""
 
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from whisper_modifiers.sparse_serving.format.bitmask import (
+from whisper_sparse.format.bitmask import (
     bitmask_bytes,
     check_bitmask,
     compress_bitmask,
     decompress_bitmask,
 )
-from whisper_modifiers.sparse_serving.format.bits import CorruptCheckpointError
+from whisper_sparse.format.bits import CorruptCheckpointError
 
 
 def sparse_weight(rows: int, columns: int, sparsity: float, dtype, seed: int = 0):

@@ -16,10 +16,11 @@ from conftest import (
     group_32_recipe,
     legacy_sparse_checkpoint,
 )
-from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint, load_checkpoint
+from whisper_modifiers.checkpoint import load_checkpoint
 from whisper_modifiers.cli import main
 from whisper_modifiers.quantization import chained_recipe, indivisible_layers
-from whisper_modifiers.sparse_serving import QUANT_METHOD
+from whisper_sparse import QUANT_METHOD
+from whisper_sparse.format.checkpoint import RECORD_FILE, check_checkpoint
 
 FAST = [
     "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),

@@ -86,8 +86,8 @@ def refuse_non_finite(constant):
 def test_record_and_report_are_strict_json_and_count_the_windows_evaluated(tmp_path):
     """gamma: auto on 4 sequences holds out one, so a standard error over it is infinite:
     written as null. --eval-windows beyond the text's windows reports those evaluated."""
-    from whisper_modifiers.checkpoint import RECORD_FILE
     from whisper_modifiers.evaluation import evaluation_text, evaluation_windows
+    from whisper_sparse.format.checkpoint import RECORD_FILE
 
     out = tmp_path / "ckpt"
     argv = [*FAST, "--recipe", "wisp_auto_2of4", "--output-dir", str(out)]

@@ -20,12 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from whisper_modifiers.sparse_serving.cpu import build as cpu_build
-from whisper_modifiers.sparse_serving.cpu.build import SOURCE_DIR
-from whisper_modifiers.sparse_serving.cpu.cpu_info import cpu_flag_set
-from whisper_modifiers.sparse_serving.cpu.op import (
+from whisper_sparse.cpu import build as cpu_build
+from whisper_sparse.cpu.build import SOURCE_DIR
+from whisper_sparse.cpu.cpu_info import cpu_flag_set
+from whisper_sparse.cpu.op import (
     CPU_ISAS,
     NO_TILES,
+    PathThresholds,
     bitmask_cpu_linear,
     bitmask_decompress_cpu,
     brgemm_kernel,
@@ -35,17 +36,14 @@ from whisper_modifiers.sparse_serving.cpu.op import (
     gemm_runs,
     reference_linear,
     set_cpu_isa,
-    sparse24_cpu_linear,
     supported_isas,
+    two_four_cpu_linear,
 )
-from whisper_modifiers.sparse_serving.cpu.plan_timing import (
-    PATH_THRESHOLDS,
-    bitmask_thresholds,
-    random_two_four,
-)
-from whisper_modifiers.sparse_serving.cpu.plans import plan_from_timings
-from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
-from whisper_modifiers.sparse_serving.format.two_four import compress_24, decompress_24
+from whisper_sparse.cpu.op import PATHS as OP_PATHS
+from whisper_sparse.cpu.plans import plan_from_timings
+from whisper_sparse.cpu.served_layer import random_two_four
+from whisper_sparse.format.bitmask import compress_bitmask
+from whisper_sparse.format.two_four import compress_24, decompress_24
 
 if cpu_kernels_unavailable():
     pytest.skip(cpu_kernels_unavailable(), allow_module_level=True)
@@ -113,11 +111,10 @@ def test_decompress_kernel_equals_the_format(isa, dtype):
         assert torch.equal(decompress_24(compressed, bitmask, (rows, columns)), weight)
 
 
-# (tiled_from, gemm_from, lanes_until, brgemm_until) of each path: the GEMMs run where
-# gemm_runs says, the rows elsewhere; "lanes": a 2:4 layer in the unstructured GEMM (an
-# unstructured layer's GEMM); "brgemm": the tiles through oneDNN's micro-kernel where it runs
-# (brgemm_kernel), else ATen's
-PATHS = PATH_THRESHOLDS
+# the thresholds of each path: the GEMMs run where gemm_runs says, the rows elsewhere;
+# "lanes": a 2:4 layer in the unstructured GEMM (an unstructured layer's GEMM); "brgemm": the
+# tiles through oneDNN's micro-kernel where it runs (brgemm_kernel), else ATen's
+PATHS = {path: PathThresholds.only(path) for path in OP_PATHS}
 BITMASK_PATHS = [path for path in PATHS if path != "lanes"]
 
 
@@ -142,7 +139,7 @@ def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
             exact_in = torch.bfloat16 if bf16_tiles else x_dtype
             exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
             expected = exact.to(exact_in).to(x_dtype)
-            got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, *PATHS[path])
+            got = two_four_cpu_linear(x, compressed, bitmask, bias, columns, PATHS[path])
             assert got.dtype == x_dtype and got.shape == (tokens, rows)
             assert torch.equal(got, expected), (rows, columns, tokens)
 
@@ -162,7 +159,7 @@ def test_op_follows_the_reference_on_real_values(isa, dtype):
             reference = reference_linear(x, compressed, bitmask, bias, columns, torch.float64)
             scale = x.double().abs() @ weight.double().abs().t() + 1
             for thresholds in PATHS.values():
-                got = sparse24_cpu_linear(x, compressed, bitmask, bias, columns, *thresholds)
+                got = two_four_cpu_linear(x, compressed, bitmask, bias, columns, thresholds)
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + eps * reference.abs()).all(), (tokens, columns)
 
@@ -171,14 +168,14 @@ def test_op_keeps_leading_dimensions_and_refuses_bad_tensors():
     weight = random_two_four(16, 64, torch.float32)
     compressed, bitmask = compress_24(weight)
     x = torch.randn(2, 3, 64)
-    assert torch.allclose(sparse24_cpu_linear(x, compressed, bitmask, None, 64),
+    assert torch.allclose(two_four_cpu_linear(x, compressed, bitmask, None, 64),
                           F.linear(x, weight), atol=1e-5)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"x must be a CPU tensor \[\.\.\., 64\]"):
-        sparse24_cpu_linear(torch.randn(3, 60), compressed, bitmask, None, 64)
+        two_four_cpu_linear(torch.randn(3, 60), compressed, bitmask, None, 64)
     with pytest.raises(RuntimeError, match="bitmask must be a contiguous"):
-        sparse24_cpu_linear(x, compressed, bitmask[:, :4], None, 64)
+        two_four_cpu_linear(x, compressed, bitmask[:, :4], None, 64)
     with pytest.raises(RuntimeError, match="in_features must be a positive multiple of 4"):
-        sparse24_cpu_linear(x, compressed, bitmask, None, 62)
+        two_four_cpu_linear(x, compressed, bitmask, None, 62)
 
 
 def test_op_is_a_custom_op_that_compiled_graphs_keep():
@@ -188,15 +185,16 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     compressed, bitmask = compress_24(weight)
     x = torch.randn(5, 128).to(torch.bfloat16)
     op = torch.ops.whisper_sparse_cpu.linear.default
-    for tiled_from, gemm_from, lanes_until, brgemm_until in PATHS.values():
+    for t in PATHS.values():
         torch.library.opcheck(
             op,
-            (x, compressed, bitmask, None, 128, gemm_from, tiled_from, lanes_until, brgemm_until),
+            (x, compressed, bitmask, None, 128, t.gemm_from, t.tiled_from, t.lanes_until,
+             t.brgemm_until),
             test_utils=("test_schema", "test_faketensor"),
         )
 
     def layer(x):
-        return torch.nn.functional.silu(sparse24_cpu_linear(x, compressed, bitmask, None, 128))
+        return torch.nn.functional.silu(two_four_cpu_linear(x, compressed, bitmask, None, 128))
 
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
@@ -350,7 +348,7 @@ def test_the_gemm_runs_bfloat16_on_avx512_bf16_only(isa):
 def test_a_machine_that_cannot_build_says_why_in_one_line(tmp_path):
     """No compiler: the op is unavailable, with a one-line reason, and nothing is cached."""
     script = (
-        "from whisper_modifiers.sparse_serving.cpu.op import cpu_kernels_unavailable\n"
+        "from whisper_sparse.cpu.op import cpu_kernels_unavailable\n"
         "print('REASON', cpu_kernels_unavailable())\n"
     )
     env = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
@@ -388,18 +386,20 @@ def test_avx512_and_avx2_kernels_are_right_on_any_cpu(tmp_path):
 def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):
     """A plan is kept per build of the op (its sources, torch, compiler): a plan measured
     with other kernels is not reused, one measured with these is."""
-    from whisper_modifiers.sparse_serving.cpu import plans as cpu_plans
+    from whisper_sparse.cpu import plans as cpu_plans
 
     measured = []
+    plan = cpu_plans.CpuPlan(
+        tiled_from=16, gemm_from=4, faster_at_decode=True, speedups=((1, 2.0),)
+    )
 
     def measure(out_features, in_features, dtype, density=None):
         measured.append(cpu_plans.loaded_build_key())
-        return cpu_plans.CpuPlan(16, True, 4, ((1, 2.0),)), []
+        return plan, []
 
     monkeypatch.setenv("WHISPER_MODIFIERS_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_plans, "measure_cpu_plan", measure)
     monkeypatch.setattr(cpu_plans, "_known", {})
-    plan = cpu_plans.CpuPlan(16, True, 4, ((1, 2.0),))
     assert cpu_plans.cpu_plan(8, 32, torch.float32) == plan
     monkeypatch.setattr(cpu_plans, "_known", {})  # a new process: from the file, the same plan
     assert cpu_plans.cpu_plan(8, 32, torch.float32) == plan
@@ -412,13 +412,13 @@ def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):
 def test_unstructured_layers_have_a_plan_per_density_step(tmp_path, monkeypatch):
     """An unstructured layer's plan is measured at its density rounded to the step, apart
     from the 2:4 plan of the same shape: 0.34 and 0.36 share one, 0.5 has its own."""
-    from whisper_modifiers.sparse_serving.cpu import plans as cpu_plans
+    from whisper_sparse.cpu import plans as cpu_plans
 
     measured = []
 
     def measure(out_features, in_features, dtype, density=None):
         measured.append(density)
-        return cpu_plans.CpuPlan(cpu_plans.NO_TILES, True), []
+        return cpu_plans.CpuPlan(faster_at_decode=True), []
 
     monkeypatch.setenv("WHISPER_MODIFIERS_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_plans, "measure_cpu_plan", measure)
@@ -464,7 +464,7 @@ def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path)
                 exact_in = torch.bfloat16 if bf16_tiles else x_dtype
                 exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
                 got = bitmask_cpu_linear(x, values, bitmask, row_offsets, bias, columns,
-                                         *bitmask_thresholds(PATHS[path]))  # fmt: skip
+                                         PATHS[path])  # fmt: skip
                 assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns, tokens)
 
 
@@ -481,7 +481,7 @@ def test_bitmask_op_follows_the_reference_on_real_values(isa):
             scale = x.double().abs() @ weight.double().abs().t() + 1
             for path in BITMASK_PATHS:
                 got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000,
-                                         *bitmask_thresholds(PATHS[path]))  # fmt: skip
+                                         PATHS[path])  # fmt: skip
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + 2.0**-8 * reference.abs()).all(), tokens
 
@@ -503,10 +503,10 @@ def test_tiles_are_exact_across_tiles(isa, weight_dtype):
     unstructured = integer_sparse(rows, columns, 0.5, weight_dtype, generator)
     compressed_24, stored = compress_24(two_four), compress_bitmask(unstructured)
     layers = {  # layout: (weight, the op on its stored tensors at a path's thresholds)
-        "2:4": (two_four, lambda thresholds: sparse24_cpu_linear(
-            x, *compressed_24, bias, columns, *thresholds)),
+        "2:4": (two_four, lambda thresholds: two_four_cpu_linear(
+            x, *compressed_24, bias, columns, thresholds)),
         "unstructured": (unstructured, lambda thresholds: bitmask_cpu_linear(
-            x, *stored, bias, columns, *bitmask_thresholds(thresholds))),
+            x, *stored, bias, columns, thresholds)),
     }  # fmt: skip
     for layout, (weight, run) in layers.items():
         exact = x.double() @ weight.double().t() + bias.double()
@@ -534,8 +534,8 @@ def test_an_unstructured_plan_is_measured_on_each_path_that_runs(dtype):
     """The plan of an unstructured layer times the row kernels, the tiles and, where it runs
     (``gemm_runs``), the unstructured GEMM against dense, on a random weight of that
     density."""
-    from whisper_modifiers.sparse_serving.cpu.plan_timing import random_unstructured
-    from whisper_modifiers.sparse_serving.cpu.plans import measure_cpu_plan
+    from whisper_sparse.cpu.plans import measure_cpu_plan
+    from whisper_sparse.cpu.served_layer import random_unstructured
 
     weight = random_unstructured(64, 256, dtype, 0.35)
     assert abs((weight != 0).float().mean().item() - 0.35) < 0.02
@@ -550,25 +550,27 @@ def test_an_unstructured_plan_is_measured_on_each_path_that_runs(dtype):
 
 def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(monkeypatch):
     """Where the grouped layout does not run (float32 here), the plan times the op over the
-    rows spread as ``CpuBitmaskLinear.from_compressed`` holds them (``cpu.row_spread``), not
+    rows spread as the served layer holds them (``served_layer``, ``cpu.row_spread``), not
     over the format's rows back to back: 25 % of 4096 float32 inputs is 4 KiB a row."""
-    from whisper_modifiers.sparse_serving.cpu import plan_timing
-    from whisper_modifiers.sparse_serving.cpu import plans as cpu_plans
-    from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear
-    from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+    from whisper_sparse.cpu import plans as cpu_plans
+    from whisper_sparse.cpu import served_layer as served_module
+    from whisper_sparse.cpu.linear import cpu_serving_kernel
+    from whisper_sparse.format.bitmask import compress_bitmask
 
     seen = []
 
-    def recording(x, values, bitmask, row_offsets, bias, in_features, *thresholds):
+    def recording(x, values, bitmask, row_offsets, bias, in_features, thresholds):
         seen.append((values.numel(), row_offsets.clone()))
         return x.new_zeros(*x.shape[:-1], bitmask.shape[0])
 
-    weight = plan_timing.random_unstructured(8, 4096, torch.float32, 0.25)
-    monkeypatch.setattr(plan_timing, "bitmask_cpu_linear", recording)
-    monkeypatch.setattr(plan_timing, "random_unstructured",
+    weight = served_module.random_unstructured(8, 4096, torch.float32, 0.25)
+    monkeypatch.setattr(served_module, "bitmask_cpu_linear", recording)
+    monkeypatch.setattr(served_module, "random_unstructured",
                         lambda rows, columns, dtype, density: weight)  # fmt: skip
     cpu_plans.measure_cpu_plan(8, 4096, torch.float32, ladder=(1,), density=0.25)
-    served = CpuBitmaskLinear.from_compressed(*compress_bitmask(weight), 4096)
+    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "sparse")
+    served = cpu_serving_kernel(*compress_bitmask(weight)[:2], 4096, "layer",
+                                compress_bitmask(weight)[2])  # fmt: skip
     assert seen and served.compressed.numel() > compress_bitmask(weight)[0].numel()
     assert {numel for numel, _ in seen} == {served.compressed.numel()}
     assert all(torch.equal(offsets, served.row_offsets) for _, offsets in seen)
@@ -576,25 +578,27 @@ def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(mon
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_bitmask_linear_runs_the_op_on_its_plan(dtype, tmp_path, monkeypatch):
-    """``CpuBitmaskLinear`` over a layer's stored tensors (int32 offsets, as the legacy
-    format may hold, become int64) gives F.linear of the dense weight exactly on integer
-    values, on the row kernels and on the tiles; a moved offset is refused naming the
-    layer."""
-    from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear
-    from whisper_modifiers.sparse_serving.cpu.plans import CpuPlan
-    from whisper_modifiers.sparse_serving.format.bits import CorruptCheckpointError
+    """A served unstructured layer over a layer's stored tensors (int32 offsets, as the
+    legacy format may hold, become int64) gives F.linear of the dense weight exactly on
+    integer values, on the row kernels and on the tiles; a moved offset is refused naming
+    the layer."""
+    from whisper_sparse.cpu.linear import CpuSparseLinear
+    from whisper_sparse.cpu.plans import CpuPlan
+    from whisper_sparse.cpu.served_layer import served_layer
+    from whisper_sparse.format.bits import CorruptCheckpointError
 
     generator = torch.Generator().manual_seed(6)
     weight = integer_sparse(24, 100, 0.65, dtype, generator)
     values, bitmask, row_offsets = compress_bitmask(weight)
     x = torch.randint(-3, 4, (5, 100), generator=generator).to(dtype)
     for tiled_from in (NO_TILES, 1):
-        module = CpuBitmaskLinear.from_compressed(values, bitmask, row_offsets.int(), 100,
-                                                  "layer", CpuPlan(tiled_from, True))  # fmt: skip
-        assert module.row_offsets.dtype == torch.int64
+        served = served_layer(values, bitmask, 100, row_offsets.int(), "layer")
+        module = CpuSparseLinear.serving(served, CpuPlan(tiled_from=tiled_from))
+        if hasattr(served, "row_offsets"):  # rows (the grouped layout has none)
+            assert module.row_offsets.dtype == torch.int64
         assert module.density() == pytest.approx(values.numel() / 2400)
         assert torch.equal(module(x).float(), F.linear(x.float(), weight.float()).to(dtype).float())
     moved = row_offsets.clone()
     moved[3] += 1
     with pytest.raises(CorruptCheckpointError, match=r"layer.row_offsets\[3\]"):
-        CpuBitmaskLinear.from_compressed(values, bitmask, moved, 100, "layer")
+        served_layer(values, bitmask, 100, moved, "layer")

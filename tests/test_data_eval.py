@@ -229,7 +229,7 @@ def test_lm_eval_reads_a_compressed_checkpoint_through_whisper_lm_eval(tmp_path,
     from transformers import AutoModelForCausalLM
 
     from conftest import MODEL_DIR
-    from whisper_modifiers.sparse_serving.format.layout import write_compressed
+    from whisper_sparse.format.layout import write_compressed
 
     checkpoint = tmp_path / "compressed"
     model = load_model()

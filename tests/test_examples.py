@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from conftest import REPO, SHARED
-from whisper_modifiers.sparse_serving import QUANT_METHOD
+from whisper_sparse import QUANT_METHOD
 
 
 def test_stories260k_example(monkeypatch, capsys):

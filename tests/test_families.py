@@ -23,10 +23,10 @@ from transformers import (
 import whisper_modifiers  # noqa: F401
 from conftest import dense_state_dict, tiny_model
 from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
-from whisper_modifiers.checkpoint import RECORD_FILE
 from whisper_modifiers.preflight import meta_model
-from whisper_modifiers.sparse_serving import QUANT_METHOD
-from whisper_modifiers.sparse_serving.format.two_four import check_two_four
+from whisper_sparse import QUANT_METHOD
+from whisper_sparse.format.checkpoint import RECORD_FILE
+from whisper_sparse.format.two_four import check_two_four
 
 pytestmark = pytest.mark.slow
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -214,7 +214,7 @@ for architecture in sys.argv[1:]:
 def one_vllm_process():
     """The module's vLLM runs share one resident process of the serving environment
     (``worker_process.resident_workers``: vLLM imported once, not once per family)."""
-    from whisper_modifiers.serving.worker_process import resident_workers
+    from whisper_sparse.driver.worker_process import resident_workers
 
     with resident_workers():
         yield
@@ -226,7 +226,7 @@ def vllm_registry():
     meets it (10-15 s each here), then caches what it learnt; these families' are
     inspected in one process first, so that each engine below finds them cached. The
     engines are unchanged; where this fails (another vLLM), they inspect as usual."""
-    from whisper_modifiers.serving import serving_python
+    from whisper_sparse.driver import serving_python
 
     try:
         python = serving_python()
@@ -244,7 +244,7 @@ def test_family_checkpoint_is_served_by_vllm(tmp_path, tokenizer, calibration, f
     experts dense in vLLM's FusedMoE) with transformers' greedy tokens and
     log-likelihoods (float32); where vLLM cannot run the family at all, it fails the same
     way on the unpruned model (``NOT_SERVED``)."""
-    from whisper_modifiers.serving import WorkerFailed, run_vllm, serving_python
+    from whisper_sparse.driver import WorkerFailed, run_vllm, serving_python
 
     try:
         serving_python()

@@ -192,7 +192,7 @@ def test_the_pruning_only_plan_is_two_calls_without_vllm(tmp_path):
     assert [w for w in calls[2]["command"].split() if w in gpu_session.STAGES] == [
         "cpu-op", "profile"]  # fmt: skip
     (cpu_op,) = gpu_session.stage_commands("cpu-op", tmp_path)
-    assert cpu_op[: cpu_op.index("benchmarks/cpu_sparse24.py")][-4:-1] == [
+    assert cpu_op[: cpu_op.index("benchmarks/cpu_sparse_op.py")][-4:-1] == [
         "taskset", "-c", "0,1"]  # fmt: skip
     assert "OMP_NUM_THREADS=2" in cpu_op and "2:4" in cpu_op and "0.5" in cpu_op
     (prune,) = gpu_session.stage_commands("prune-reference", tmp_path)

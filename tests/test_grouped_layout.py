@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from test_cpu_kernels import BITMASK_PATHS, integer_sparse, isa  # noqa: F401 (a fixture)
-from whisper_modifiers.sparse_serving.cpu import op as kernels
-from whisper_modifiers.sparse_serving.cpu.grouped_layout import (
+from whisper_sparse.cpu import op as kernels
+from whisper_sparse.cpu.grouped_layout import (
     GROUP_ROWS,
     PAD_VALUES,
     STEP_INPUTS,
     group_layout,
 )
-from whisper_modifiers.sparse_serving.cpu.plan_timing import PATH_THRESHOLDS, bitmask_thresholds
-from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+from whisper_sparse.cpu.op import PathThresholds
+from whisper_sparse.format.bitmask import compress_bitmask
 
 SHAPES = [(1, 1), (5, 12), (7, 37), (8, 32), (16, 64), (33, 100), (17, 4100), (9, 2049),
           (70, 1058)]  # fmt: skip
@@ -94,7 +94,7 @@ def test_grouped_op_is_exact_on_integer_values(path):
                     exact = x.to(exact_in).double() @ weight.double().t()
                     exact = exact + bias.to(exact_in).double()
                     got = kernels.grouped_cpu_linear(
-                        x, *layer, bias, columns, rows, *bitmask_thresholds(PATH_THRESHOLDS[path])
+                        x, *layer, bias, columns, rows, PathThresholds.only(path)
                     )
                     assert got.dtype == x_dtype
                     assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns,
@@ -115,13 +115,13 @@ def test_a_wide_layer_at_many_tokens_is_exact_in_passes_of_inputs():
     weight = integer_sparse(rows, columns, 0.5, torch.bfloat16, generator)
     stored = compress_bitmask(weight)
     layer = group_layout(*stored, columns)
-    gemm = bitmask_thresholds(PATH_THRESHOLDS["gemm"])
+    gemm = PathThresholds.only("gemm")
     for tokens in (300, 513):
         x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(torch.bfloat16)
         bias = torch.randint(-3, 4, (rows,), generator=generator).to(torch.bfloat16)
         exact = (x.double() @ weight.double().t() + bias.double()).to(torch.bfloat16)
-        grouped = kernels.grouped_cpu_linear(x, *layer, bias, columns, rows, *gemm)
-        in_rows = kernels.bitmask_cpu_linear(x, *stored, bias, columns, *gemm)
+        grouped = kernels.grouped_cpu_linear(x, *layer, bias, columns, rows, gemm)
+        in_rows = kernels.bitmask_cpu_linear(x, *stored, bias, columns, gemm)
         assert torch.equal(grouped, exact) and torch.equal(in_rows, exact), tokens
 
 
@@ -142,20 +142,27 @@ def test_grouped_op_refuses_tensors_that_do_not_fit_names_them():
 
 @needs_kernels
 def test_the_served_module_holds_the_grouped_layout_where_it_runs(monkeypatch):
-    """``cpu_serving_kernel`` gives a bfloat16 unstructured layer a ``CpuGroupedLinear`` on
-    ``avx512_bf16`` kernels (and a ``CpuBitmaskLinear`` below them), which holds the grouped
+    """``cpu_serving_kernel`` serves a bfloat16 unstructured layer grouped on ``avx512_bf16``
+    kernels (and in rows below them); a module over the grouped layer holds the grouped
     tensors only, counts their bytes, and gives F.linear of the weight exactly (from int32
     offsets, as the legacy format may hold, too); a moved offset is refused naming the
     layer."""
-    from whisper_modifiers.sparse_serving.cpu import linear
-    from whisper_modifiers.sparse_serving.format.bits import CorruptCheckpointError
-    from whisper_modifiers.sparse_serving.weight_bytes import layer_weight_bytes
+    from whisper_sparse.cpu import linear
+    from whisper_sparse.cpu.plans import CpuPlan
+    from whisper_sparse.cpu.served_layer import GroupedLayer, RowsLayer, served_layer
+    from whisper_sparse.format.bits import CorruptCheckpointError
+    from whisper_sparse.weight_bytes import layer_weight_bytes
 
     generator = torch.Generator().manual_seed(7)
     weight = integer_sparse(20, 96, 0.6, torch.bfloat16, generator)
     values, bitmask, row_offsets = compress_bitmask(weight)
-    plan = linear.CpuPlan(kernels.NO_TILES, True)
-    module = linear.CpuGroupedLinear.from_compressed(values, bitmask, row_offsets, 96, "l", plan)
+    plan = CpuPlan(faster_at_decode=True)
+
+    def grouped(offsets):
+        layer = served_layer(values, bitmask, 96, offsets, "l", grouped=True)
+        return linear.CpuSparseLinear.serving(layer, plan)
+
+    module = grouped(row_offsets)
     names = {name for name, _ in module.named_parameters()}
     assert names == {"compressed", "group_masks", "group_offsets", "shape"}
     assert module.density() == pytest.approx(values.numel() / (20 * 96))
@@ -167,14 +174,10 @@ def test_the_served_module_holds_the_grouped_layout_where_it_runs(monkeypatch):
     moved = row_offsets.clone()
     moved[3] += 1
     with pytest.raises(CorruptCheckpointError, match=r"l.row_offsets\[3\]"):
-        linear.CpuGroupedLinear.from_compressed(values, bitmask, moved, 96, "l")
-    legacy = linear.CpuGroupedLinear.from_compressed(values, bitmask, row_offsets.int(), 96, "l",
-                                                     plan)  # fmt: skip
-    assert torch.equal(legacy(x), module(x))
+        grouped(moved)
+    assert torch.equal(grouped(row_offsets.int())(x), module(x))
     monkeypatch.setattr(linear, "cpu_plan", lambda *args: plan)
     served = linear.cpu_serving_kernel(values, bitmask, 96, "l", row_offsets)
-    kind = (
-        linear.CpuGroupedLinear if kernels.cpu_isa() == "avx512_bf16" else linear.CpuBitmaskLinear
-    )
-    assert type(served) is kind
+    kind = GroupedLayer if kernels.cpu_isa() == "avx512_bf16" else RowsLayer
+    assert type(served.served) is kind
     assert torch.equal(served(x), module(x))

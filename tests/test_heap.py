@@ -1,4 +1,4 @@
-"""``sparse_serving.heap``: the pages of freed heap allocations go back to the OS."""
+"""``whisper_sparse.heap``: the pages of freed heap allocations go back to the OS."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from whisper_modifiers.sparse_serving.heap import _malloc_trim, release_freed_heap
+from whisper_sparse.heap import _malloc_trim, release_freed_heap
 
 BLOCK = 64 * 1024  # below glibc's mmap threshold (128 KiB): served from the heap
 BLOCKS = 4096  # 256 MiB

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from whisper_modifiers.sparse_serving.cpu import huge_pages
-from whisper_modifiers.sparse_serving.cpu.grouped_layout import group_for_op, group_layout
-from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+from whisper_sparse.cpu import huge_pages
+from whisper_sparse.cpu.grouped_layout import group_for_op, group_layout
+from whisper_sparse.format.bitmask import compress_bitmask
 
 offered = pytest.mark.skipif(not huge_pages.huge_pages_offered(),
                              reason="this kernel offers no transparent huge pages")  # fmt: skip

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 from reference import loop_differences, loop_neuronwise
 from whisper_modifiers import WhisperModifier, WispModifier, WispPlusModifier
 from whisper_modifiers.modifiers.moe_routing import MoERouting
-from whisper_modifiers.sparse_serving.format.two_four import check_two_four
 from whisper_modifiers.statistics import pair_permutations
+from whisper_sparse.format.two_four import check_two_four
 
 pytestmark = pytest.mark.slow
 NUM_EXPERTS = 16  # one routed expert per token: some get fewer than 2 tokens of a sequence

@@ -18,10 +18,11 @@ from transformers import AutoModelForCausalLM
 import whisper_modifiers  # noqa: F401  (our modifiers and the 2:4 format)
 from conftest import MODEL_DIR, dense_state_dict, group_32_recipe
 from whisper_modifiers import WhisperModifier, WispPlusModifier, saving
-from whisper_modifiers.checkpoint import RECORD_FILE, check_checkpoint, load_checkpoint
+from whisper_modifiers.checkpoint import load_checkpoint
 from whisper_modifiers.output_dir import OutputDirError
-from whisper_modifiers.sparse_serving import QUANT_METHOD, NotTwoFourError
-from whisper_modifiers.sparse_serving.format.declaration import STOCK_LOADER_GUARD
+from whisper_sparse import QUANT_METHOD, NotTwoFourError
+from whisper_sparse.format.checkpoint import RECORD_FILE, check_checkpoint
+from whisper_sparse.format.declaration import STOCK_LOADER_GUARD
 
 pytestmark = pytest.mark.slow
 

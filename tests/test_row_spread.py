@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from test_cpu_kernels import BITMASK_PATHS, integer_sparse, isa  # noqa: F401 (isa: a fixture)
-from whisper_modifiers.sparse_serving.cpu import op as kernels
-from whisper_modifiers.sparse_serving.cpu.plan_timing import PATH_THRESHOLDS, bitmask_thresholds
-from whisper_modifiers.sparse_serving.cpu.row_spread import (
+from whisper_sparse.cpu import op as kernels
+from whisper_sparse.cpu.op import PathThresholds
+from whisper_sparse.cpu.row_spread import (
     PAGE_BYTES,
     SPREAD_BYTES,
     row_gap,
     spread_rows,
 )
-from whisper_modifiers.sparse_serving.format.bitmask import compress_bitmask
+from whisper_sparse.format.bitmask import compress_bitmask
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,7 @@ def test_the_op_reads_spread_rows_exactly(dtype, path):
     bit for bit (integer values: both the float64 reference rounded once), and its
     decompression is the weight."""
     generator = torch.Generator().manual_seed(2)
-    thresholds = bitmask_thresholds(PATH_THRESHOLDS[path])
+    thresholds = PathThresholds.only(path)
     for rows, columns, gap in ((7, 37, 5), (33, 100, 64), (17, 4100, 3), (9, 2049, 1)):
         for sparsity in (0.0, 0.5, 0.65, 1.0):
             weight = integer_sparse(rows, columns, sparsity, dtype, generator)
@@ -89,17 +89,19 @@ def test_the_op_reads_spread_rows_exactly(dtype, path):
             for tokens in (1, 2, 5, 17, 70):
                 x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(dtype)
                 plain = kernels.bitmask_cpu_linear(x, values, bitmask, row_offsets, None, columns,
-                                                   *thresholds)  # fmt: skip
+                                                   thresholds)  # fmt: skip
                 got = kernels.bitmask_cpu_linear(x, spread, bitmask, offsets, None, columns,
-                                                 *thresholds)  # fmt: skip
+                                                 thresholds)  # fmt: skip
                 assert torch.equal(got, plain), (rows, columns, sparsity, tokens)
 
 
 @needs_kernels
 def test_the_served_module_spreads_rows_near_4kib():
-    """``CpuBitmaskLinear.from_compressed`` spreads a 50 % bfloat16 layer of 4096 inputs
-    (and not a 65 % one), keeps its density, and gives F.linear of the weight exactly."""
-    from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear
+    """A served layer in rows (``served_layer``, not grouped) spreads a 50 % bfloat16 layer
+    of 4096 inputs (and not a 65 % one), keeps its density, and gives F.linear of the weight
+    exactly."""
+    from whisper_sparse.cpu.linear import CpuSparseLinear
+    from whisper_sparse.cpu.served_layer import served_layer
 
     generator = torch.Generator().manual_seed(3)
     for sparsity, gap in ((0.5, True), (0.65, False)):
@@ -109,7 +111,8 @@ def test_the_served_module_spreads_rows_near_4kib():
             weight[row, kept] = torch.randint(1, 4, (kept.numel(),), generator=generator).to(
                 torch.bfloat16)  # fmt: skip
         values, bitmask, row_offsets = compress_bitmask(weight)
-        module = CpuBitmaskLinear.from_compressed(values, bitmask, row_offsets, 4096, "layer")
+        layer = served_layer(values, bitmask, 4096, row_offsets, "layer", grouped=False)
+        module = CpuSparseLinear.serving(layer)
         expected_gap = row_gap(values.numel(), 16, 2)
         assert (expected_gap > 0) == gap
         assert torch.equal(module.row_offsets, row_offsets + expected_gap * torch.arange(16))

@@ -20,18 +20,13 @@ import torch
 
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, REPO
 from whisper_modifiers import output_dir as output_dir_module
-from whisper_modifiers.checkpoint import (
-    LOCK_FILE,
-    RECORD_FILE,
-    REPORT_FILE,
-    check_checkpoint,
-)
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.diagnose_cli import main as whisper_diagnose
 from whisper_modifiers.methods import METHODS
 from whisper_modifiers.modifiers.validation import NonFiniteError
 from whisper_modifiers.output_dir import partial_output, remove_stale_partials
-from whisper_modifiers.serving.cli import main as whisper_serve
+from whisper_sparse.driver.cli import main as whisper_serve
+from whisper_sparse.format.checkpoint import LOCK_FILE, RECORD_FILE, REPORT_FILE, check_checkpoint
 
 DATA = ["--num-sequences", "4", "--seq-len", "64", "--eval-seq-len", "128", "--eval-windows", "2"]
 

@@ -29,11 +29,13 @@ from loguru import logger
 from transformers import AutoModelForCausalLM
 
 from conftest import REPO, SHARED, dense_state_dict, legacy_sparse_checkpoint
-from whisper_modifiers.checkpoint import RECORD_FILE, REPORT_FILE, load_checkpoint
+from whisper_modifiers.checkpoint import load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
 from whisper_modifiers.models import embedded_model_dir
-from whisper_modifiers.serving import (
+from whisper_sparse import QUANT_METHOD
+from whisper_sparse.cpu.linear import cpu_serving_refusal
+from whisper_sparse.driver import (
     Server,
     ServingUnavailable,
     run_vllm,
@@ -43,18 +45,17 @@ from whisper_modifiers.serving import (
     serving_python,
     vllm_perplexity,
 )
-from whisper_modifiers.serving.capabilities import capabilities
-from whisper_modifiers.serving.cli import main as whisper_serve
-from whisper_modifiers.serving.probe import (
+from whisper_sparse.driver.capabilities import capabilities
+from whisper_sparse.driver.cli import main as whisper_serve
+from whisper_sparse.driver.probe import (
     AMX_FLAGS,
     cpu_flag_set,
     probe_request,
     required_ops,
 )
-from whisper_modifiers.serving.worker_process import resident_workers, run_worker
-from whisper_modifiers.sparse_serving import QUANT_METHOD
-from whisper_modifiers.sparse_serving.cpu.linear import cpu_serving_refusal
-from whisper_modifiers.sparse_serving.format.declaration import (
+from whisper_sparse.driver.worker_process import resident_workers, run_worker
+from whisper_sparse.format.checkpoint import RECORD_FILE, REPORT_FILE
+from whisper_sparse.format.declaration import (
     LEGACY_QUANT_METHOD,
     STOCK_LOADER_GUARDS,
 )
@@ -362,7 +363,7 @@ def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
 INT8_CHECK = """
 import torch
 from vllm import _custom_ops as ops
-from whisper_modifiers.sparse_serving.cpu.int8 import ExactInt8Linear, onednn_int8_saturates
+from whisper_sparse.cpu.int8 import ExactInt8Linear, onednn_int8_saturates
 saturates = onednn_int8_saturates()
 g = torch.Generator().manual_seed(0)
 w = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
@@ -514,7 +515,7 @@ def test_checkpoints_of_the_first_method_name_are_served(checkpoint, tokenizer, 
 def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
     script = (
         "import torch\n"
-        "from whisper_modifiers.sparse_serving.vllm_adapter.config import SparseConfig\n"
+        "from whisper_sparse.vllm_adapter.config import SparseConfig\n"
         "method = SparseConfig.linear_method('model.layers.0.mlp.down_proj')\n"
         "method.create_weights(torch.nn.Module(), 172, [64], 172, 64, torch.float32,\n"
         "                      weight_loader=None)\n"
@@ -618,7 +619,7 @@ def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
     ``compilation_mode`` names vLLM's modes as the worker and the benchmark report them."""
     script = (
         "from vllm.config import VllmConfig\n"
-        "from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import note_layer\n"
+        "from whisper_sparse.vllm_adapter.compile_key import note_layer\n"
         "PLAN = {'sparse_from': 256, 'ladder': [1, 256], 'algorithms': [0, 1]}\n"
         "def key(mode, plans):\n"
         "    config = VllmConfig()\n"
@@ -638,7 +639,7 @@ def test_kernel_mode_and_plans_are_part_of_vllms_compile_cache_key():
         "    note_layer(config, 'a', 'auto', PLAN)\n"
         "    return config.compute_hash()\n"
         "print('CAPTURE', captured(512) != captured(2048) and captured(512) == captured(512))\n"
-        "from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import compilation_mode\n"
+        "from whisper_sparse.vllm_adapter.compile_key import compilation_mode\n"
         "from vllm.config import CompilationMode\n"
         "from types import SimpleNamespace\n"
         "def named(mode):\n"
@@ -658,9 +659,9 @@ def test_plugin_names_the_tensor_whose_shape_is_wrong():
     agree between the three tensors of every part of a merged layer."""
     script = (
         "import torch\n"
-        "from whisper_modifiers.sparse_serving.format.two_four import compress_24\n"
-        "from whisper_modifiers.sparse_serving.vllm_adapter import config as plugin\n"
-        "from whisper_modifiers.sparse_serving.vllm_adapter.loading import take_dense_weight\n"
+        "from whisper_sparse.format.two_four import compress_24\n"
+        "from whisper_sparse.vllm_adapter import config as plugin\n"
+        "from whisper_sparse.vllm_adapter.loading import take_dense_weight\n"
         "def loader(param, weight, shard=None):\n"
         "    data = param.data if shard is None else param.data[shard * 16:(shard + 1) * 16]\n"
         "    assert data.shape == weight.shape\n"
@@ -756,7 +757,7 @@ def test_tensor_parallel_two_gives_the_tokens_of_one(tmp_path, monkeypatch):
     from pruned_models import decoder_linear_names, prune_unstructured, pruned_llama
 
     from conftest import MODEL_DIR
-    from whisper_modifiers.sparse_serving.format.layout import write_compressed
+    from whisper_sparse.format.layout import write_compressed
 
     torch.manual_seed(0)
     model = pruned_llama(2, torch.float32, "tiny", "cpu")

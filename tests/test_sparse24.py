@@ -14,10 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, dense_state_dict, group_32_recipe
-from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
+from whisper_modifiers.checkpoint import load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
-from whisper_modifiers.serving.cli import main as whisper_serve
-from whisper_modifiers.sparse_serving import (
+from whisper_sparse import (
     QUANT_METHOD,
     CorruptCheckpointError,
     NotTwoFourError,
@@ -25,9 +24,11 @@ from whisper_modifiers.sparse_serving import (
     compress_24,
     decompress_24,
 )
-from whisper_modifiers.sparse_serving.cpu.linear import CpuSparse24Linear, cpu_serving_refusal
-from whisper_modifiers.sparse_serving.format.bits import pack_bits, unpack_bits
-from whisper_modifiers.sparse_serving.format.declaration import STOCK_LOADER_GUARD
+from whisper_sparse.cpu.linear import CpuSparse24Linear, cpu_serving_refusal
+from whisper_sparse.driver.cli import main as whisper_serve
+from whisper_sparse.format.bits import pack_bits, unpack_bits
+from whisper_sparse.format.checkpoint import REPORT_FILE, check_checkpoint
+from whisper_sparse.format.declaration import STOCK_LOADER_GUARD
 
 FAST = [
     "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
@@ -142,7 +143,7 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
     done = subprocess.run([sys.executable, "-c", stock, str(compressed)], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 1
-    assert "ValueError" in done.stderr and "pip install whisper-modifiers" in done.stderr
+    assert "ValueError" in done.stderr and "whisper-sparse" in done.stderr
 
 
 def test_a_layer_that_is_not_two_four_is_refused_at_save_time(tmp_path, capsys, monkeypatch):

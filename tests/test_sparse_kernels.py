@@ -1,4 +1,4 @@
-"""2:4 GEMM kernels (``sparse_serving.gpu.kernels``): the dense fallback, the dispatch, the
+"""2:4 GEMM kernels (``whisper_sparse.gpu.kernels``): the dense fallback, the dispatch, the
 layout around cuSPARSELt's call; the CUDA tests run where CUDA (sm80+) exists.
 
 Self-contained (no shared data): the CUDA part also runs with ``--noconftest`` on a GPU
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from whisper_modifiers.sparse_serving import mode
-from whisper_modifiers.sparse_serving.format.two_four import NotTwoFourError
-from whisper_modifiers.sparse_serving.gpu import dispatch_plans, kernels, sparse_op
+from whisper_sparse import mode
+from whisper_sparse.format.two_four import NotTwoFourError
+from whisper_sparse.gpu import dispatch_plans, kernels, sparse_op
 
 CUDA_24 = torch.cuda.is_available() and sparse_op.sparse_kernel_available("cuda", torch.bfloat16)
 needs_cuda = pytest.mark.skipif(not CUDA_24, reason="needs CUDA sm80+ with cuSPARSELt")
@@ -328,7 +328,7 @@ def test_cuda_refuses_a_weight_that_is_not_two_four():
 def test_compile_key_records_the_mode_and_every_plan():
     from types import SimpleNamespace
 
-    from whisper_modifiers.sparse_serving.vllm_adapter.compile_key import COMPILE_KEY, note_layer
+    from whisper_sparse.vllm_adapter.compile_key import COMPILE_KEY, note_layer
 
     config = SimpleNamespace(additional_config={"other": 1})
     note_layer(config, "a", "auto", {"sparse_from": 256, "ladder": [1, 256], "algorithms": [0, 1]})

@@ -23,22 +23,23 @@ from conftest import (
     dense_state_dict,
     two_of_four_by_magnitude,
 )
-from whisper_modifiers.checkpoint import REPORT_FILE, check_checkpoint, load_checkpoint
+from whisper_modifiers.checkpoint import load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
-from whisper_modifiers.sparse_serving.cpu.linear import CpuBitmaskLinear, cpu_serving_refusal
-from whisper_modifiers.sparse_serving.format.bits import (
+from whisper_sparse.cpu.linear import CpuBitmaskLinear, cpu_serving_refusal
+from whisper_sparse.format.bits import (
     CorruptCheckpointError,
     pack_bits,
     unpack_bits,
 )
-from whisper_modifiers.sparse_serving.format.declaration import (
+from whisper_sparse.format.checkpoint import REPORT_FILE, check_checkpoint
+from whisper_sparse.format.declaration import (
     BITMASK_FORMAT,
     LEGACY_QUANT_METHOD,
     QUANT_METHOD,
     STOCK_LOADER_GUARD,
     STOCK_LOADER_GUARDS,
 )
-from whisper_modifiers.sparse_serving.format.layout import write_compressed
+from whisper_sparse.format.layout import write_compressed
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +148,7 @@ def test_stock_transformers_refuses_it_naming_the_package(pruned):
     done = subprocess.run([sys.executable, "-c", stock, str(pruned[0])], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 1
-    assert "ValueError" in done.stderr and "pip install whisper-modifiers" in done.stderr
+    assert "ValueError" in done.stderr and "whisper-sparse" in done.stderr
 
 
 def corrupted(source, directory, change) -> str:

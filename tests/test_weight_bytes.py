@@ -1,4 +1,4 @@
-"""The bytes a served model's 2:4 layers hold for their weights (sparse_serving.weight_bytes):
+"""The bytes a served model's 2:4 layers hold for their weights (whisper_sparse.weight_bytes):
 what the GPU serving benchmark reports as "2:4 weights / dense"."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from whisper_modifiers.sparse_serving.gpu.kernels import Sparse24Linear
-from whisper_modifiers.sparse_serving.weight_bytes import (
+from whisper_sparse.gpu.kernels import Sparse24Linear
+from whisper_sparse.weight_bytes import (
     DENSE_BYTES_ATTRIBUTE,
     layer_weight_bytes,
     sparse_weight_bytes,

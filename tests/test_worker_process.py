@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from whisper_modifiers.serving.probe import probe_dtypes
-from whisper_modifiers.serving.worker_process import (
+from whisper_sparse.cpu.fp8 import dequantized_fp8_weight
+from whisper_sparse.driver.probe import probe_dtypes
+from whisper_sparse.driver.worker_process import (
     RESULT_PREFIX,
     WorkerFailed,
     exit_description,
     run_worker,
 )
-from whisper_modifiers.sparse_serving.cpu.fp8 import dequantized_fp8_weight
 
 
 def fake_python(path, body: str):
@@ -141,7 +141,7 @@ def test_an_illegal_instruction_names_amx_where_the_cpu_has_it(tmp_path, monkeyp
     with SIGILL. On a CPU with AMX the refusal says AMX is not usable here, or capped (and
     names the cap); elsewhere it names the signal. Serving is refused before any server
     starts (``serving_plan`` raises ``ServingUnavailable``, whisper-serve exits 2)."""
-    from whisper_modifiers.serving import probe
+    from whisper_sparse.driver import probe
 
     flags = {"avx2", "avx512f"} | ({"amx_tile", "amx_int8", "amx_bf16"} if amx else set())
     monkeypatch.setattr(probe, "cpu_flag_set", lambda: flags)
@@ -161,7 +161,7 @@ def test_an_illegal_instruction_names_amx_where_the_cpu_has_it(tmp_path, monkeyp
         assert "AMX" not in message and message.count("(SIGILL)") == 3
     assert [json.loads(line) for line in log.read_text().splitlines()] == [
         "auto", "bfloat16", "float16"]  # fmt: skip
-    from whisper_modifiers.serving.cli import main as whisper_serve
+    from whisper_sparse.driver.cli import main as whisper_serve
 
     assert whisper_serve([str(ckpt), "--dry-run", "--python", str(python)]) == 2
 
@@ -171,8 +171,8 @@ def test_the_plugin_asks_for_amx_where_the_cpu_has_it():
     the OS grants the tile state here (True; False would be a VM or container refusing
     it), elsewhere there is nothing to ask (None). Decided from the CPU's flags, so it
     holds on either kind of CI machine."""
-    from whisper_modifiers.serving.probe import AMX_FLAGS, cpu_flag_set
-    from whisper_modifiers.sparse_serving.vllm_adapter.plugin import request_amx
+    from whisper_sparse.driver.probe import AMX_FLAGS, cpu_flag_set
+    from whisper_sparse.vllm_adapter.plugin import request_amx
 
     assert request_amx() is (True if "amx_tile" in cpu_flag_set() & AMX_FLAGS else None)
 
@@ -183,7 +183,7 @@ def test_vllms_warning_per_cast_weight_becomes_one_line():
     and lets every other record through."""
     import logging
 
-    from whisper_modifiers.sparse_serving.vllm_adapter.plugin import CastNote
+    from whisper_sparse.vllm_adapter.plugin import CastNote
 
     note = CastNote()
 

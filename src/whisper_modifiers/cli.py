@@ -32,7 +32,6 @@ from transformers import AutoModelForCausalLM
 
 # modules, not their functions: the tests replace these functions to inject faults
 from whisper_modifiers import checkpoint, evaluation, methods, saving
-from whisper_modifiers.checkpoint import REPORT_FILE
 from whisper_modifiers.data import sequence_dataset
 from whisper_modifiers.modifiers import PIPELINE_NAME, distributed
 from whisper_modifiers.modifiers.validation import NonFiniteError, check_finite_weights
@@ -46,7 +45,8 @@ from whisper_modifiers.output_dir import (
 from whisper_modifiers.preflight import UsageError, check_prunable
 from whisper_modifiers.prune_plan import Plan, check_inputs
 from whisper_modifiers.recipes import DEFAULT_RECIPE
-from whisper_modifiers.sparse_serving.format.layout import write_dense_layout
+from whisper_sparse.format.checkpoint import REPORT_FILE, check_checkpoint
+from whisper_sparse.format.layout import write_dense_layout
 
 __all__ = [
     "REPORT_FILE",
@@ -264,7 +264,7 @@ def _save(plan: Plan, model, report: dict) -> None:
             report["compressed"] = written["compressed"]
         plan.tokenizer.save_pretrained(partial)
         (partial / REPORT_FILE).write_text(checkpoint.strict_json(report))
-        checkpoint.check_checkpoint(partial, unfinished_ok=True)
+        check_checkpoint(partial, unfinished_ok=True)
     report["output_dir"] = str(plan.output_dir)
 
 

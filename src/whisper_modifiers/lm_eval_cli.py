@@ -6,7 +6,7 @@ process imports ``whisper_modifiers``, so transformers does not know the checkpo
 quantization method (``HFLM(pretrained=DIR)`` raises "Unknown quantization type, got
 whisper-modifiers-sparse24"), and lm-eval has no hook that imports a module
 (``--include_path`` adds task files only). Importing the package registers the format in
-transformers' quantizer registry (``sparse_serving.transformers_adapter.quantizer``), after which
+transformers' quantizer registry (``whisper_sparse.transformers_adapter.quantizer``), after which
 ``--model hf --model_args pretrained=DIR`` loads it as ``from_pretrained`` does: on an x86
 CPU the 2:4 layers stay compressed and run through the CPU op, elsewhere they are
 decompressed as they load.

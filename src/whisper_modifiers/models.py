@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_modifiers.sparse_serving.paths import cache_dir
+from whisper_sparse.paths import cache_dir
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from whisper_modifiers.checkpoint import LOCK_FILE, PARTIAL_MARK, REPORT_FILE
+from whisper_sparse.format.checkpoint import LOCK_FILE, PARTIAL_MARK, REPORT_FILE
 
 __all__ = [
     "OutputDirError",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from whisper_modifiers.checkpoint import read_config
+from whisper_sparse.format.checkpoint import read_config
 
 __all__ = [
     "MINIMUMS",
@@ -67,7 +67,7 @@ def check_prunable(model_id: str, config) -> bool:
     quantization: whisper-prune then loads it through its dense layout (a temporary copy,
     since llmcompressor refuses a model whose config.json names another quantization
     method). A quantized checkpoint is refused: its weights are not full precision."""
-    from whisper_modifiers.sparse_serving.format.declaration import is_compressed_checkpoint
+    from whisper_sparse.format.declaration import is_compressed_checkpoint
 
     quantization = getattr(config, "quantization_config", None)
     if not quantization:

@@ -7,7 +7,7 @@
   ``compressed`` layout, each 2:4 Linear rewritten as values plus bitmask and every other
   Linear a pruning modifier pruned (unstructured, or N:M other than 2:4) as each row's
   values, a bitmask and row offsets where that is smaller than dense, with the load-time
-  guard for stock transformers (``sparse_serving.format.layout.write_compressed``), and
+  guard for stock transformers (``whisper_sparse.format.layout.write_compressed``), and
   ``sparsity_record.json``. MoE experts (``MOE_EXPERT``) are packed back into the
   family's fused experts for the save (``packed_experts``) and stay dense there.
   whisper-prune calls it inside its partial directory.
@@ -41,8 +41,9 @@ from whisper_modifiers import checkpoint
 from whisper_modifiers.modifiers.finalize_hook import after_pruning_finalize
 from whisper_modifiers.modifiers.moe_routing import MOE_EXPERT
 from whisper_modifiers.output_dir import check_output_dir, partial_output
-from whisper_modifiers.sparse_serving.format.layout import write_compressed
-from whisper_modifiers.sparse_serving.format.two_four import check_two_four
+from whisper_sparse.format.checkpoint import RECORD_FILE
+from whisper_sparse.format.layout import write_compressed
+from whisper_sparse.format.two_four import check_two_four
 
 __all__ = [
     "gamma_selection",
@@ -230,7 +231,7 @@ def install_compressed_save(model, modifiers: list) -> None:
         layout = storage_layout(modifiers) if save_compressed else "uncompressed"
         target = check_output_dir(save_directory, protected=_protected(model), overwrite=True,
                                   flag="save_pretrained's save_directory",
-                                  marker=checkpoint.RECORD_FILE, program="whisper-modifiers",
+                                  marker=RECORD_FILE, program="whisper-modifiers",
                                   output="a whisper-modifiers checkpoint")  # fmt: skip
         save = functools.partial(inner, **kwargs)
         with partial_output(target) as partial:  # never a half-written checkpoint

@@ -1,0 +1,208 @@
+"""The linear methods the vLLM plugin gives each layer of a compressed sparse checkpoint
+(``SparseLinearMethod``, ``QuantizedChainLinearMethod``; ``vllm_adapter.config`` chooses
+them); the loading of the stored tensors with their checks is ``vllm_adapter.loading``'s.
+
+Imports vLLM at import time: only ``vllm_adapter.plugin.register`` imports it, once vLLM runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+
+from whisper_sparse.cpu.fp8 import (
+    EMULATED_FP8_NOTE,
+    dequantized_fp8_weight,
+    emulated_fp8,
+)
+from whisper_sparse.cpu.int8 import ExactInt8Linear, wants_exact_int8
+from whisper_sparse.cpu.linear import cpu_serving_kernel, cpu_serving_refusal
+from whisper_sparse.format.declaration import TWO_FOUR_FORMAT
+from whisper_sparse.gpu.kernels import serving_kernel
+from whisper_sparse.heap import release_freed_heap
+from whisper_sparse.mode import KERNEL_MODE_VARIABLE, kernel_mode
+from whisper_sparse.vllm_adapter.compile_key import note_layer
+from whisper_sparse.vllm_adapter.loading import (
+    dense_of,
+    register_compressed,
+    take_dense_weight,
+    take_stored,
+)
+from whisper_sparse.weight_bytes import DENSE_BYTES_ATTRIBUTE
+
+__all__ = ["QuantizedChainLinearMethod", "SparseLinearMethod"]
+
+# under vLLM's own logger, so that its handler prints these lines with its own (a logger
+# outside the "vllm" namespace has no handler in a vLLM process and says nothing)
+logger = init_logger(f"vllm.plugins.{__name__}")
+LAYOUT_NAMES = {TWO_FOUR_FORMAT: "2:4"}  # others: "unstructured"
+
+
+class SparseLinearMethod(UnquantizedLinearMethod):
+    """A layer loaded compressed in ``format`` (``vllm_adapter.loading``; merged layers and
+    tensor-parallel shards load as the dense weight would), then run by, in this order:
+
+    * on a CPU, the CPU op on this rank's compressed tensors (``cpu.linear``), where it
+      runs here and, in the ``auto`` kernel mode, its measured plan beats dense at one
+      token; the dense weight never exists;
+    * 2:4 layers on sm80+ GPUs in 16-bit dtypes, cuSPARSELt's 2:4 GEMM with its measured
+      dispatch (``gpu.kernels.serving_kernel``);
+    * elsewhere, or in the ``dense`` mode (``$WHISPER_MODIFIERS_SPARSE``), vLLM's
+      unquantized path on the decompressed weight."""
+
+    def __init__(self, name: str, format: str = TWO_FOUR_FORMAT, vllm_config=None):
+        super().__init__()
+        self.name = name
+        self.format = format
+        self.vllm_config = vllm_config  # whose compile-cache key records the kernel
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                       input_size, output_size, params_dtype,
+                       **extra_weight_attrs):  # fmt: skip
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        register_compressed(layer, self.name, self.format, input_size_per_partition,
+                            input_size, sum(output_partition_sizes), params_dtype,
+                            weight_loader, extra_weight_attrs)  # fmt: skip
+
+    def process_weights_after_loading(self, layer) -> None:
+        self._process_weights(layer)
+        release_freed_heap()  # the processing's temporaries (heap.py)
+
+    def _process_weights(self, layer) -> None:
+        rows, columns = layer.sparse_dense_shape
+        stored = take_stored(layer)
+        setattr(layer, DENSE_BYTES_ATTRIBUTE, rows * columns * stored[0].element_size())
+        kernel = self._cpu_kernel(stored, columns)
+        if kernel is not None:
+            layer.sparse_kernel = kernel
+            plan = kernel.plan
+            self._note(kernel_mode(), {"cpu_gemm_from": plan.gemm_from,
+                                       "cpu_lanes_until": plan.lanes_until,
+                                       "cpu_tiled_from": plan.tiled_from,
+                                       "cpu_brgemm_until": plan.brgemm_until})  # fmt: skip
+            dtype = str(kernel.compressed.dtype).removeprefix("torch.")
+            logger.info_once(f"{kernel.served.layout} CPU op, [{rows} x {columns}] {dtype} layers"
+                             f"{self._density(kernel)}: {plan.describe()}")  # fmt: skip
+            return
+        weight = dense_of(stored, (rows, columns), self.name)
+        del stored
+        kernel = serving_kernel(weight) if self.format == TWO_FOUR_FORMAT else None
+        self._note(kernel_mode(), None if kernel is None else asdict(kernel.plan))
+        if kernel is None or kernel.dense is not None:
+            layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+        if kernel is None:
+            super().process_weights_after_loading(layer)
+        else:
+            layer.sparse_kernel = kernel
+
+    @staticmethod
+    def _density(kernel) -> str:
+        density = kernel.density()
+        return "" if density is None else f" keeping {round(100 * density)} %"
+
+    def _cpu_kernel(self, stored, columns: int):
+        """The CPU op's module over this rank's tensors, or None; on a CPU where the op
+        cannot run, says why once."""
+        compressed, bitmask, row_offsets = stored
+        if compressed.device.type != "cpu":
+            return None
+        layout = LAYOUT_NAMES.get(self.format, "unstructured")
+        refusal = cpu_serving_refusal(compressed.device, compressed.dtype)
+        if refusal is not None:
+            logger.info_once(f"{layout} layers run decompressed to dense on this CPU: {refusal}")
+            return None
+        kernel = cpu_serving_kernel(compressed, bitmask, columns, self.name, row_offsets)
+        if kernel is None:
+            logger.info_once(f"{layout} layers whose measured CPU op was slower than dense at "
+                             f"one token run dense (set {KERNEL_MODE_VARIABLE}=sparse to keep "
+                             "them compressed)")  # fmt: skip
+        return kernel
+
+    def _note(self, mode: str, plan: dict | None) -> None:
+        if self.vllm_config is not None:
+            note_layer(self.vllm_config, self.name, mode, plan)
+
+    def apply(self, layer, x, bias=None):
+        kernel = getattr(layer, "sparse_kernel", None)
+        if kernel is None:
+            return super().apply(layer, x, bias)
+        return kernel.linear(x, bias)
+
+
+class QuantizedChainLinearMethod(LinearMethodBase):
+    """A W8A8 / FP8 chain's quantized layer: compressed-tensors' scheme for this layer
+    (``inner``, vLLM's own kernels); if ``compressed``, its quantized weight is loaded
+    compressed and decompressed before the scheme processes it. Where vLLM's kernel for the
+    layer would not compute well on this CPU, the plugin's replacement runs instead:
+    ``cpu.int8.ExactInt8Linear`` where the oneDNN int8 GEMM saturates, and the weight
+    dequantized to the model's dtype (``cpu.fp8``) where FP8 has only the emulated path.
+    ``format``: the stored weight's compressed layout (None: stored dense)."""
+
+    def __init__(self, name: str, inner, format: str | None = TWO_FOUR_FORMAT):
+        self.name = name
+        self.inner = inner
+        self.format = format  # of the stored weight; None: stored dense
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                       input_size, output_size, params_dtype,
+                       **extra_weight_attrs):  # fmt: skip
+        self.inner.create_weights(layer, input_size_per_partition, output_partition_sizes,
+                                  input_size, output_size, params_dtype,
+                                  **extra_weight_attrs)  # fmt: skip
+        layer.sparse_params_dtype = params_dtype
+        if self.format is None:
+            return
+        quantized = layer.weight  # the scheme's [out, in] int8 / float8 parameter
+        del layer.weight
+        layer.sparse_weight_class = type(quantized)
+        extra = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
+        register_compressed(layer, self.name, self.format, input_size_per_partition,
+                            input_size, sum(output_partition_sizes), quantized.dtype,
+                            extra_weight_attrs["weight_loader"], extra)  # fmt: skip
+
+    def process_weights_after_loading(self, layer) -> None:
+        self._process_weights(layer)
+        release_freed_heap()  # the processing's temporaries (heap.py)
+
+    def _process_weights(self, layer) -> None:
+        if self.format is not None:
+            weight = take_dense_weight(layer)
+            try:  # vLLM's parameter class for it, as the scheme created it
+                parameter = layer.sparse_weight_class(
+                    data=weight, input_dim=1, output_dim=0, weight_loader=lambda *a: None
+                )
+            except TypeError:
+                parameter = torch.nn.Parameter(weight, requires_grad=False)
+            layer.register_parameter("weight", parameter)
+        weight = layer.weight.data
+        widths = list(getattr(layer, "logical_widths", None) or [weight.shape[0]])
+        if wants_exact_int8(layer):  # vLLM's int8 GEMM saturates on this CPU
+            layer.exact_int8 = ExactInt8Linear(weight, layer.weight_scale.data, widths)
+            del layer.weight
+            return
+        if emulated_fp8(layer):  # vLLM's FP8 path here is torch._scaled_mm emulation
+            dtype = layer.sparse_params_dtype
+            dense = dequantized_fp8_weight(weight, layer.weight_scale.data, widths, dtype)
+            logger.warning_once(EMULATED_FP8_NOTE.format(
+                kernel=type(layer.scheme.fp8_linear).__name__, dtype=str(dtype).split(".")[-1]
+            ))  # fmt: skip
+            for name in ("weight", "weight_scale", "input_scale"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+            layer.register_parameter("weight", torch.nn.Parameter(dense, requires_grad=False))
+            layer.dequantized_fp8 = UnquantizedLinearMethod()
+            layer.dequantized_fp8.process_weights_after_loading(layer)
+            return
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None):
+        exact = getattr(layer, "exact_int8", None)
+        if exact is not None:
+            return exact(x, bias)
+        dequantized = getattr(layer, "dequantized_fp8", None)
+        if dequantized is not None:
+            return dequantized.apply(layer, x, bias)
+        return self.inner.apply(layer, x, bias)
