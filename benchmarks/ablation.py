@@ -27,24 +27,46 @@ from common import RESULTS, write_json  # noqa: E402
 GATE, UP = r"re:.*mlp\.gate_proj$", r"re:.*mlp\.up_proj$"
 DOWN, ATTENTION = r"re:.*mlp\.down_proj$", r"re:.*self_attn\..*_proj$"
 TABLES = {
-    "pairing": ("centered and nearest-neighbour vs random pairs (appendix 'Centering', "
-                "'Sampling approach details')",
-                ["wanda", "wisp", "wisp:pairing=centered", "wisp:pairing=nearest",
-                 "sparsegpt", "whisper", "whisper:pairing=centered", "whisper:pairing=nearest"]),
-    "permutations": ("pairs per sequence: 1, 2, 4 permutations",
-                     [f"{m}:num_permutations={k}" for m in ("wisp", "wisp_plus", "whisper")
-                      for k in (1, 2, 4)]),
-    "pair_fraction": ("Wisp+'s K / s", [f"wisp_plus:pair_fraction={f}"
-                                        for f in (0.001, 0.005, 0.02, 0.1, 1.0)]),
-    "specialization": ("fraction of neurons given the neuronwise statistic, most difficult "
-                       "first (appendix 'From Wisp to Wisp+')",
-                       [f"wisp_plus:specialized_fraction={f}" for f in (0.0, 0.25, 0.5, 1.0)]),
-    "gamma": ("Whisper's gamma (1.0 is SparseGPT)",
-              [f"whisper:gamma={g}" for g in (0.0, 0.001, 0.01, 0.1, 0.3, 1.0)]),
-    "component": ("which projections get the difference criterion (table 'component-wise')",
-                  [f"{m}:difference_targets=[{t}]" for m in ("wisp", "whisper")
-                   for t in (GATE, UP, f"{GATE}, {UP}", DOWN, ATTENTION)]),
-}  # fmt: skip
+    "pairing": (
+        "centered and nearest-neighbour vs random pairs (appendix 'Centering', "
+        "'Sampling approach details')",
+        [
+            "wanda",
+            "wisp",
+            "wisp:pairing=centered",
+            "wisp:pairing=nearest",
+            "sparsegpt",
+            "whisper",
+            "whisper:pairing=centered",
+            "whisper:pairing=nearest",
+        ],
+    ),
+    "permutations": (
+        "pairs per sequence: 1, 2, 4 permutations",
+        [f"{m}:num_permutations={k}" for m in ("wisp", "wisp_plus", "whisper") for k in (1, 2, 4)],
+    ),
+    "pair_fraction": (
+        "Wisp+'s K / s",
+        [f"wisp_plus:pair_fraction={f}" for f in (0.001, 0.005, 0.02, 0.1, 1.0)],
+    ),
+    "specialization": (
+        "fraction of neurons given the neuronwise statistic, most difficult "
+        "first (appendix 'From Wisp to Wisp+')",
+        [f"wisp_plus:specialized_fraction={f}" for f in (0.0, 0.25, 0.5, 1.0)],
+    ),
+    "gamma": (
+        "Whisper's gamma (1.0 is SparseGPT)",
+        [f"whisper:gamma={g}" for g in (0.0, 0.001, 0.01, 0.1, 0.3, 1.0)],
+    ),
+    "component": (
+        "which projections get the difference criterion (table 'component-wise')",
+        [
+            f"{m}:difference_targets=[{t}]"
+            for m in ("wisp", "whisper")
+            for t in (GATE, UP, f"{GATE}, {UP}", DOWN, ATTENTION)
+        ],
+    ),
+}
 
 
 def main(argv=None) -> int:
@@ -61,8 +83,11 @@ def main(argv=None) -> int:
 
     stamp = time.strftime("%Y-%m-%d")
     merged = {}
-    lines = ["# Ablations", "", f"Generated {stamp} by `benchmarks/ablation.py` "
-             f"({args.seeds} seeds, mean ± s.e.m.)."]  # fmt: skip
+    lines = [
+        "# Ablations",
+        "",
+        f"Generated {stamp} by `benchmarks/ablation.py` ({args.seeds} seeds, mean ± s.e.m.).",
+    ]
     for table in args.tables:
         title, variants = TABLES[table]
         argv = [
@@ -81,7 +106,7 @@ def main(argv=None) -> int:
         ]
         for flag in ("num_sequences", "seq_len", "eval_windows"):
             if getattr(args, flag) is not None:
-                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]  # fmt: skip
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         quality.main(argv)
         merged[table] = json.loads((args.out / table / "quality.json").read_text())
         body = (args.out / table / "quality.md").read_text().split("\n", 3)[3]

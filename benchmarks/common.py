@@ -245,17 +245,36 @@ def wikitext_setup(model: str | None):
 
 
 def whisper_prune_to(
-    out: Path, recipe: str, model: str | None, calibration: str, evaluation: str,
-    num_sequences: int, seq_len: int, *extra: str,
-) -> Path:  # fmt: skip
+    out: Path,
+    recipe: str,
+    model: str | None,
+    calibration: str,
+    evaluation: str,
+    num_sequences: int,
+    seq_len: int,
+    *extra: str,
+) -> Path:
     """``whisper-prune`` of ``recipe`` into ``out`` (one evaluation window, no dense one)."""
     from whisper_modifiers.cli import main as whisper_prune
 
     argv = [
-        "--recipe", recipe, "--output-dir", str(out), "--calibration", calibration,
-        "--num-sequences", str(num_sequences), "--seq-len", str(seq_len),
-        "--eval-text", evaluation, "--eval-windows", "1", "--skip-dense-eval", *extra,
-    ] + (["--model", model] if model else [])  # fmt: skip
+        "--recipe",
+        recipe,
+        "--output-dir",
+        str(out),
+        "--calibration",
+        calibration,
+        "--num-sequences",
+        str(num_sequences),
+        "--seq-len",
+        str(seq_len),
+        "--eval-text",
+        evaluation,
+        "--eval-windows",
+        "1",
+        "--skip-dense-eval",
+        *extra,
+    ] + (["--model", model] if model else [])
     assert whisper_prune(argv) == 0, recipe
     return out
 

@@ -9,11 +9,14 @@ llmcompressor (a GPU machine's image has neither).
 from __future__ import annotations
 
 SHAPES = {  # (out, in) of each projection as vLLM runs it
-    "7B": {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096),
-           "down": (4096, 11008)},
-    "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-           "down": (4096, 14336)},
-}  # fmt: skip
+    "7B": {
+        "qkv": (12288, 4096),
+        "o": (4096, 4096),
+        "gate_up": (22016, 4096),
+        "down": (4096, 11008),
+    },
+    "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+}
 
 # cpu_sparse_op.py's --isa below this CPU's kernels caps dense alike, as torch and oneDNN run
 # on such a CPU: each reads its cap once, when first used, so the process starts with these
@@ -39,9 +42,11 @@ def cpu_line(capped_from: str | None = None) -> str:
     if capped_from is None:
         return line + ")"
     caps = " ".join(f"{name}={value}" for name, value in DENSE_CAPS[cpu_isa()].items())
-    return (f"{line}, capped from {capped_from}; dense capped alike: {caps}, torch's CPU "
-            f"capability {torch.backends.cpu.get_cpu_capability()}: an {cpu_isa()} CPU "
-            "emulated, on this CPU's memory)")  # fmt: skip
+    return (
+        f"{line}, capped from {capped_from}; dense capped alike: {caps}, torch's CPU "
+        f"capability {torch.backends.cpu.get_cpu_capability()}: an {cpu_isa()} CPU "
+        "emulated, on this CPU's memory)"
+    )
 
 
 def vllm_dense_linear():
@@ -80,15 +85,17 @@ def op_layers(
     if sparsity == "2:4":
         dense = [random_two_four(rows, columns, dtype, seed=i) for i in range(copies)]
         served = [served_layer(*compress_24(weight), columns) for weight in dense]
-        runs = [lambda x, thresholds, layer=layer: layer.linear(x, None, thresholds)
-                for layer in served]  # fmt: skip
+        runs = [
+            lambda x, thresholds, layer=layer: layer.linear(x, None, thresholds) for layer in served
+        ]
         return dense, rows * (columns // 2 * dtype.itemsize + -(-columns // 8)), runs
     density = 1 - float(sparsity)
     dense = [random_unstructured(rows, columns, dtype, density, seed=i) for i in range(copies)]
     stored = [compress_bitmask(weight) for weight in dense]
     served = [served_layer(v, b, columns, o, grouped=grouped) for v, b, o in stored]
-    runs = [lambda x, thresholds, layer=layer: layer.linear(x, None, thresholds)
-            for layer in served]  # fmt: skip
+    runs = [
+        lambda x, thresholds, layer=layer: layer.linear(x, None, thresholds) for layer in served
+    ]
     values, bitmask, offsets = stored[0]
     size = sum(tensor.numel() * tensor.element_size() for tensor in (values, bitmask, offsets))
     return dense, size, runs

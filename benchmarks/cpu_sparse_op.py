@@ -54,8 +54,11 @@ ISAS = ("auto", "avx2", "avx512", "avx512_bf16")  # --isa: "auto" and op.CPU_ISA
 
 def missing_dense_caps(isa: str) -> dict[str, str]:
     """The environment ``--isa isa`` needs that this process did not start with."""
-    return {name: value for name, value in DENSE_CAPS.get(isa, {}).items()
-            if os.environ.get(name) != value}  # fmt: skip
+    return {
+        name: value
+        for name, value in DENSE_CAPS.get(isa, {}).items()
+        if os.environ.get(name) != value
+    }
 
 
 def run_again_with_dense_caps(argv: list[str]) -> None:
@@ -74,10 +77,13 @@ def alternating_medians(sides: dict[str, list], repeats: int) -> dict[str, float
     round's order of ``balanced_orders`` (``common.alternated_rounds``)."""
     for calls in sides.values():  # warm-up: pages touched, kernels built, plans made
         one_pass(calls)
-    rounds = alternated_rounds({label: partial(one_pass, calls)
-                                for label, calls in sides.items()}, repeats)  # fmt: skip
-    return {label: statistics.median([seconds / len(sides[label]) for seconds in values])
-            for label, values in rounds.items()}  # fmt: skip
+    rounds = alternated_rounds(
+        {label: partial(one_pass, calls) for label, calls in sides.items()}, repeats
+    )
+    return {
+        label: statistics.median([seconds / len(sides[label]) for seconds in values])
+        for label, values in rounds.items()
+    }
 
 
 def one_pass(calls: list) -> None:
@@ -85,8 +91,9 @@ def one_pass(calls: list) -> None:
         call()
 
 
-def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
-                  sparsity: str = "2:4") -> list[dict]:  # fmt: skip
+def measure_shape(
+    rows: int, columns: int, tokens: list[int], dtype, args, sparsity: str = "2:4"
+) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -114,21 +121,26 @@ def measure_shape(rows: int, columns: int, tokens: list[int], dtype, args,
             if vllm_dense:
                 sides["vllm_dense"] = [lambda f=f, x=x: f(x) for f in vllm_dense]
             for label, thresholds in paths.items():
-                if ((label == "rows" and count > args.rows_up_to)
-                        or (label in ("gemm", "lanes") and not gemm)
-                        or (label == "lanes" and sparsity != "2:4")
-                        or (label == "brgemm" and not brgemm)):  # fmt: skip
+                if (
+                    (label == "rows" and count > args.rows_up_to)
+                    or (label in ("gemm", "lanes") and not gemm)
+                    or (label == "lanes" and sparsity != "2:4")
+                    or (label == "brgemm" and not brgemm)
+                ):
                     continue
-                sides[label] = [
-                    lambda r=r, t=thresholds, x=x: r(x, t) for r in runs
-                ]
+                sides[label] = [lambda r=r, t=thresholds, x=x: r(x, t) for r in runs]
             times = alternating_medians(sides, args.repeats)
-            row = {"tokens": count, "seconds": times, "copies": copies,
-                   "ratio": times["dense"] / times["op"], "op_path": plan.path(count),
-                   "vllm_ratio": times["vllm_dense"] / times["op"] if vllm_dense else None,
-                   "op_bytes_ratio": op_bytes / dense_bytes,
-                   "op_gib_per_s": op_bytes / times["op"] / 2**30,
-                   "dense_gib_per_s": dense_bytes / times["dense"] / 2**30}  # fmt: skip
+            row = {
+                "tokens": count,
+                "seconds": times,
+                "copies": copies,
+                "ratio": times["dense"] / times["op"],
+                "op_path": plan.path(count),
+                "vllm_ratio": times["vllm_dense"] / times["op"] if vllm_dense else None,
+                "op_bytes_ratio": op_bytes / dense_bytes,
+                "op_gib_per_s": op_bytes / times["op"] / 2**30,
+                "dense_gib_per_s": dense_bytes / times["dense"] / 2**30,
+            }
             print(
                 f"  {rows}x{columns} {sparsity} tokens {count}: dense "
                 f"{times['dense'] * 1e3:.3f} ms, op {times['op'] * 1e3:.3f} ms "
@@ -190,9 +202,11 @@ def main(argv=None) -> int:
     check_serving_sparsities(parser, args.sparsity)
     missing = missing_dense_caps(args.isa)
     if missing and args.replot is None:
-        parser.error(f"--isa {args.isa} caps dense alike: start Python with "
-                     + " ".join(f"{name}={value}" for name, value in missing.items())
-                     + " (the command line does it)")  # fmt: skip
+        parser.error(
+            f"--isa {args.isa} caps dense alike: start Python with "
+            + " ".join(f"{name}={value}" for name, value in missing.items())
+            + " (the command line does it)"
+        )
     if args.replot is not None:
         write_results(args.replot.with_suffix(""), json.loads(args.replot.read_text()))
         return 0
@@ -217,21 +231,30 @@ def main(argv=None) -> int:
         set_cpu_isa(args.isa)
     dtype = getattr(torch, args.dtype)
     multi = args.sparsity != ["2:4"]
-    stem = args.out / (f"{'cpu_sparse' if multi else 'cpu_sparse24'}-{cpu_isa()}"
-                       + (f"-capped-on-{capped_from}" if capped_from else ""))  # fmt: skip
-    payload = {"cpu": cpu_line(capped_from), "dtype": args.dtype, "torch": torch.__version__,
-               "rows_up_to": args.rows_up_to, "repeats": args.repeats,
-               "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+    stem = args.out / (
+        f"{'cpu_sparse' if multi else 'cpu_sparse24'}-{cpu_isa()}"
+        + (f"-capped-on-{capped_from}" if capped_from else "")
+    )
+    payload = {
+        "cpu": cpu_line(capped_from),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "rows_up_to": args.rows_up_to,
+        "repeats": args.repeats,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     if multi:
         payload["sparsities"] = {s: {"shapes": {}} for s in args.sparsity}
     for sparsity in args.sparsity:
-        shapes = payload["sparsities"][sparsity]["shapes"] if multi else payload.setdefault(
-            "shapes", {})  # fmt: skip
+        shapes = (
+            payload["sparsities"][sparsity]["shapes"] if multi else payload.setdefault("shapes", {})
+        )
         for model in args.shapes:
             for projection, (rows, columns) in SHAPES[model].items():
                 print(f"{model} {projection} {sparsity}", flush=True)
-                shapes[f"{model}/{projection}"] = measure_shape(rows, columns, args.tokens,
-                                                                dtype, args, sparsity)  # fmt: skip
+                shapes[f"{model}/{projection}"] = measure_shape(
+                    rows, columns, args.tokens, dtype, args, sparsity
+                )
                 write_json(stem.with_suffix(".json"), payload)
     print(write_results(stem, payload))
     return 0

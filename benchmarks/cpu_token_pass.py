@@ -66,8 +66,11 @@ def model_sides(args, dtype) -> tuple[dict, dict, str]:
             plan = cpu_plan(rows, columns, dtype, density)
             by_projection[name, side] = [lambda x, run=run, p=plan: run(x, p) for run in runs]
             weight_bytes[side] += size * args.layers
-        calls = [linear_for(w) for w in dense] if linear_for else [
-            lambda x, w=w: F.linear(x, w) for w in dense]  # fmt: skip
+        calls = (
+            [linear_for(w) for w in dense]
+            if linear_for
+            else [lambda x, w=w: F.linear(x, w) for w in dense]
+        )
         by_projection[name, "dense"] = calls
         weight_bytes["dense"] += rows * columns * dtype.itemsize * args.layers
     for side, layer_pass in passes.items():
@@ -90,10 +93,15 @@ def time_passes(passes: dict, inputs: dict, rounds: int) -> dict:
     for side in passes:  # warm-up: kernels built, pages touched
         run(side, False)
     seconds = alternated_rounds({side: partial(run, side, True) for side in passes}, rounds)
-    return {side: {"rounds": seconds[side],
-                   "projections": {name: statistics.median(times)
-                                   for name, times in per_call[side].items()}}
-            for side in passes}  # fmt: skip
+    return {
+        side: {
+            "rounds": seconds[side],
+            "projections": {
+                name: statistics.median(times) for name, times in per_call[side].items()
+            },
+        }
+        for side in passes
+    }
 
 
 def summarise(measured: dict, weight_bytes: dict) -> dict:
@@ -102,10 +110,13 @@ def summarise(measured: dict, weight_bytes: dict) -> dict:
     for side, values in measured.items():
         ratios = [d / s for d, s in zip(dense, values["rounds"], strict=True)]
         seconds = statistics.median(values["rounds"])
-        results[side] = {"seconds": seconds, **ratio_spread(ratios),
-                         "gb_per_s": weight_bytes[side] / seconds / 1e9,
-                         "weight_bytes": weight_bytes[side],
-                         "projections": values["projections"]}  # fmt: skip
+        results[side] = {
+            "seconds": seconds,
+            **ratio_spread(ratios),
+            "gb_per_s": weight_bytes[side] / seconds / 1e9,
+            "weight_bytes": weight_bytes[side],
+            "projections": values["projections"],
+        }
     return results
 
 
@@ -123,10 +134,15 @@ def markdown(payload: dict) -> str:
     ]
     for tokens, results in payload["results"].items():
         names = list(results["dense"]["projections"])
-        lines += ["", f"## {tokens} token{'s' if tokens != '1' else ''}", "",
-                  "| side | weights (GB) | ms a pass | GB/s | ratio (lowest–highest) | "
-                  + " | ".join(f"{name} ms" for name in names) + " |",
-                  "|---|---|---|---|---|" + "---|" * len(names)]  # fmt: skip
+        lines += [
+            "",
+            f"## {tokens} token{'s' if tokens != '1' else ''}",
+            "",
+            "| side | weights (GB) | ms a pass | GB/s | ratio (lowest–highest) | "
+            + " | ".join(f"{name} ms" for name in names)
+            + " |",
+            "|---|---|---|---|---|" + "---|" * len(names),
+        ]
         for side, row in results.items():
             cells = [
                 f"{row['weight_bytes'] / 1e9:.2f}",
@@ -143,13 +159,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="7B", choices=list(SHAPES))
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--sparsity", nargs="+", default=["2:4", "0.5", "0.65"],
-                        help="the op's layouts: 2:4 and/or sparsities in (0, 1)")  # fmt: skip
+    parser.add_argument(
+        "--sparsity",
+        nargs="+",
+        default=["2:4", "0.5", "0.65"],
+        help="the op's layouts: 2:4 and/or sparsities in (0, 1)",
+    )
     parser.add_argument("--tokens", nargs="+", type=int, default=[1])
-    parser.add_argument("--rows", action="store_true",
-                        help="also each unstructured sparsity's layers held as rows (spread), "
-                             "as served where the grouped layout does not run; on the served "
-                             "layout's plan")  # fmt: skip
+    parser.add_argument(
+        "--rows",
+        action="store_true",
+        help="also each unstructured sparsity's layers held as rows (spread), "
+        "as served where the grouped layout does not run; on the served "
+        "layout's plan",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rounds", type=int, default=36)
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_sparse24")
@@ -167,12 +190,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dtype = getattr(torch, args.dtype)
     passes, weight_bytes, baseline = model_sides(args, dtype)
-    payload = {"config": vars(args) | {"out": str(args.out)}, "cpu": cpu_line(),
-               "baseline": baseline, "results": {}}  # fmt: skip
+    payload = {
+        "config": vars(args) | {"out": str(args.out)},
+        "cpu": cpu_line(),
+        "baseline": baseline,
+        "results": {},
+    }
     with torch.no_grad():
         for tokens in args.tokens:
-            inputs = {name: torch.randn(tokens, columns).to(dtype)
-                      for name, (_, columns) in SHAPES[args.shapes].items()}  # fmt: skip
+            inputs = {
+                name: torch.randn(tokens, columns).to(dtype)
+                for name, (_, columns) in SHAPES[args.shapes].items()
+            }
             measured = time_passes(passes, inputs, args.rounds)
             payload["results"][str(tokens)] = summarise(measured, weight_bytes)
     write_json(args.out / f"{args.name}.json", payload)

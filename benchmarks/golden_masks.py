@@ -39,8 +39,14 @@ from conftest import (  # noqa: E402
     tiny_model,
 )
 
-TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def models(directory: Path, tokenizer) -> dict[str, Path]:
@@ -49,10 +55,19 @@ def models(directory: Path, tokenizer) -> dict[str, Path]:
     built = {"stories260K": MODEL_DIR}
     for name, model_class, config in [
         ("phi3", Phi3ForCausalLM, Phi3Config(intermediate_size=128, pad_token_id=0, **TINY)),
-        ("qwen3_moe", Qwen3MoeForCausalLM, Qwen3MoeConfig(
-            intermediate_size=128, moe_intermediate_size=64, num_experts=4,
-            num_experts_per_tok=2, head_dim=32, **TINY)),
-    ]:  # fmt: skip
+        (
+            "qwen3_moe",
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                intermediate_size=128,
+                moe_intermediate_size=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+                head_dim=32,
+                **TINY,
+            ),
+        ),
+    ]:
         built[name] = tiny_model(directory / name, tokenizer, model_class, config)
     return built
 
@@ -88,9 +103,12 @@ def fingerprint(model, recipe, calibration, tokenizer, **options) -> dict:
     from whisper_modifiers.methods import run_oneshot
 
     run_oneshot(model, tokenizer, calibration, recipe, **options)
-    tensors = {name: hashlib.sha256(tensor.detach().cpu().reshape(-1).view(torch.uint8)
-                                    .numpy().tobytes()).hexdigest()[:24]
-               for name, tensor in sorted(model.state_dict().items())}  # fmt: skip
+    tensors = {
+        name: hashlib.sha256(
+            tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()[:24]
+        for name, tensor in sorted(model.state_dict().items())
+    }
     gamma = {}
     for modifier in active_session().lifecycle.recipe.modifiers:
         if hasattr(modifier, "gamma_selection"):
@@ -108,8 +126,11 @@ def record_all() -> dict:
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")[:100_000]
     calibration = calibration_dataset(tokenizer, text, NUM_SEQUENCES, SEQ_LEN, seed=0)
-    results = {"cpu": f"{cpu_model()} {torch.backends.cpu.get_cpu_capability()}",
-               "torch": torch.__version__, "runs": {}}  # fmt: skip
+    results = {
+        "cpu": f"{cpu_model()} {torch.backends.cpu.get_cpu_capability()}",
+        "torch": torch.__version__,
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for model_name, source in models(tmp, tokenizer).items():
@@ -127,14 +148,18 @@ def record_all() -> dict:
         for method, fields, options in VARIANTS:
             from whisper_modifiers.methods import build_recipe
 
-            fields = {"sparsity": 0.5, "mask_structure": "0:0" if "sparsity" in fields else "2:4",
-                      **fields}  # fmt: skip
+            fields = {
+                "sparsity": 0.5,
+                "mask_structure": "0:0" if "sparsity" in fields else "2:4",
+                **fields,
+            }
             key = f"stories260K/{method}:" + ";".join(
                 f"{k}={v}" for k, v in sorted({**fields, **options}.items())
             )
             model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
-            recipe = build_recipe(method, fields.pop("sparsity"), fields.pop("mask_structure"),
-                                  **fields)  # fmt: skip
+            recipe = build_recipe(
+                method, fields.pop("sparsity"), fields.pop("mask_structure"), **fields
+            )
             results["runs"][key] = fingerprint(model, recipe, calibration, tokenizer, **options)
             print(key, "ok", flush=True)
     return results

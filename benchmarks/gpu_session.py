@@ -70,17 +70,24 @@ PLANS = ("all", "prune")
 def prune_calls() -> list[dict]:
     """Issue 50's pruning-only plan: two calls (see the module's docstring)."""
     return [
-        {"carry": [f"{SESSION}/p0"], "why": "pruning stack, part 1",
-         "command": f"mkdir -p {STAGE_ROOT} && cp -r {SESSION}/p0/. {STAGE_ROOT}/"},
-        {"carry": [f"{SESSION}/p1"],
-         "why": "pruning stack, part 2; the speed table with the reference, the CUDA-only "
-                "tests",
-         "command": f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && "
-                    f"{RUN} install-prune prune-reference cuda-tests --out $OUT"},
-        {"carry": [], "why": "the CPU op on this machine's own CPU (an AMX Xeon on the H200s "
-                             "lent so far), 2 cores, then a profile; the device time left",
-         "command": f"{RUN} cpu-op profile --out $OUT"},
-    ]  # fmt: skip
+        {
+            "carry": [f"{SESSION}/p0"],
+            "why": "pruning stack, part 1",
+            "command": f"mkdir -p {STAGE_ROOT} && cp -r {SESSION}/p0/. {STAGE_ROOT}/",
+        },
+        {
+            "carry": [f"{SESSION}/p1"],
+            "why": "pruning stack, part 2; the speed table with the reference, the CUDA-only tests",
+            "command": f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && "
+            f"{RUN} install-prune prune-reference cuda-tests --out $OUT",
+        },
+        {
+            "carry": [],
+            "why": "the CPU op on this machine's own CPU (an AMX Xeon on the H200s "
+            "lent so far), 2 cores, then a profile; the device time left",
+            "command": f"{RUN} cpu-op profile --out $OUT",
+        },
+    ]
 
 
 def plan_calls(plan: str, wheel_parts: int = 6) -> list[dict]:
@@ -93,28 +100,56 @@ def plan_calls(plan: str, wheel_parts: int = 6) -> list[dict]:
 def calls(wheel_parts: int = 6) -> list[dict]:
     """The device calls, in order: what each carries, its command, and why
     (``wheel_parts``: how many ``c*`` folders the vLLM wheel was split into)."""
-    chunks = [{"carry": [f"{VLLM_CARRY}/c{n}"], "why": f"vLLM wheel, part {n}",
-               "command": f"cp {VLLM_CARRY}/c{n}/* /root/vw/"}
-              for n in range(1, wheel_parts)]  # fmt: skip
+    chunks = [
+        {
+            "carry": [f"{VLLM_CARRY}/c{n}"],
+            "why": f"vLLM wheel, part {n}",
+            "command": f"cp {VLLM_CARRY}/c{n}/* /root/vw/",
+        }
+        for n in range(1, wheel_parts)
+    ]
     return [
-        {"carry": [f"{SESSION}/p0"], "why": "pruning stack, part 1",
-         "command": f"mkdir -p {STAGE_ROOT} && cp -r {SESSION}/p0/. {STAGE_ROOT}/"},
-        {"carry": [f"{SESSION}/p1"], "why": "pruning stack, part 2; the pruning table",
-         "command": f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && {RUN} install-prune prune --out $OUT"},
-        {"carry": [f"{VLLM_CARRY}/c0"], "why": "vLLM wheel, part 0; the CUDA-only tests",
-         "command": f"mkdir -p /root/vw && cp {VLLM_CARRY}/c0/* /root/vw/ && "
-                    f"{RUN} cuda-tests --out $OUT"},
+        {
+            "carry": [f"{SESSION}/p0"],
+            "why": "pruning stack, part 1",
+            "command": f"mkdir -p {STAGE_ROOT} && cp -r {SESSION}/p0/. {STAGE_ROOT}/",
+        },
+        {
+            "carry": [f"{SESSION}/p1"],
+            "why": "pruning stack, part 2; the pruning table",
+            "command": (
+                f"cp -r {SESSION}/p1/. {STAGE_ROOT}/ && {RUN} install-prune prune --out $OUT"
+            ),
+        },
+        {
+            "carry": [f"{VLLM_CARRY}/c0"],
+            "why": "vLLM wheel, part 0; the CUDA-only tests",
+            "command": f"mkdir -p /root/vw && cp {VLLM_CARRY}/c0/* /root/vw/ && "
+            f"{RUN} cuda-tests --out $OUT",
+        },
         *chunks,
-        {"carry": [f"{VLLM_CARRY}/deps-a"], "why": "vLLM's dependencies, part 1",
-         "command": f"mkdir -p /root/vw/deps && cp {VLLM_CARRY}/deps-a/* /root/vw/deps/"},
-        {"carry": [f"{VLLM_CARRY}/deps-b"], "why": "vLLM's dependencies, part 2; vLLM installed",
-         "command": f"cp {VLLM_CARRY}/deps-b/* /root/vw/deps/ && {RUN} install-vllm --out $OUT"},
+        {
+            "carry": [f"{VLLM_CARRY}/deps-a"],
+            "why": "vLLM's dependencies, part 1",
+            "command": f"mkdir -p /root/vw/deps && cp {VLLM_CARRY}/deps-a/* /root/vw/deps/",
+        },
+        {
+            "carry": [f"{VLLM_CARRY}/deps-b"],
+            "why": "vLLM's dependencies, part 2; vLLM installed",
+            "command": f"cp {VLLM_CARRY}/deps-b/* /root/vw/deps/ && {RUN} install-vllm --out $OUT",
+        },
         {"carry": [], "why": "serving speed, profiled", "command": f"{RUN} serve --out $OUT"},
-        {"carry": [], "why": "vLLM correctness (SmolLM2 Whisper 2:4 and FP8)",
-         "command": f"{RUN} correct --out $OUT"},
-        {"carry": [], "why": "the capture-size lever",
-         "command": f"{RUN} serve-capture --out $OUT"},
-    ]  # fmt: skip
+        {
+            "carry": [],
+            "why": "vLLM correctness (SmolLM2 Whisper 2:4 and FP8)",
+            "command": f"{RUN} correct --out $OUT",
+        },
+        {
+            "carry": [],
+            "why": "the capture-size lever",
+            "command": f"{RUN} serve-capture --out $OUT",
+        },
+    ]
 
 
 def prune_env() -> dict[str, str]:
@@ -141,21 +176,56 @@ def write_serve_python() -> None:
 
 PRUNE_SIZE = ["--random-layers", "2", "--num-sequences", "128", "--seq-len", "4096"]
 PROFILE_SIZE = ["--random-layers", "2", "--num-sequences", "16", "--seq-len", "4096"]
-PRUNE_SMOKE = ["--random-layers", "1", "--hidden", "64", "--intermediate", "128",
-               "--num-sequences", "2", "--seq-len", "32", "--methods", "wanda", "wisp",
-               "--offload-devices", "cpu"]  # fmt: skip
-SERVE_SMOKE = ["--shape", "tiny", "--layers", "2", "--dtype", "float32", "--repeats", "1",
-               "--workloads", "prefill:2x64", "decode:2x8"]  # fmt: skip
-CAPTURE = ["--layers", "8", "--modes", "sparse", "--capture-sizes", "2048",
-           "--max-num-batched-tokens", "2048",
-           "--workloads", "prefill:32x2048", "decode:1x128", "decode:64x256"]  # fmt: skip
+PRUNE_SMOKE = [
+    "--random-layers",
+    "1",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "128",
+    "--num-sequences",
+    "2",
+    "--seq-len",
+    "32",
+    "--methods",
+    "wanda",
+    "wisp",
+    "--offload-devices",
+    "cpu",
+]
+SERVE_SMOKE = [
+    "--shape",
+    "tiny",
+    "--layers",
+    "2",
+    "--dtype",
+    "float32",
+    "--repeats",
+    "1",
+    "--workloads",
+    "prefill:2x64",
+    "decode:2x8",
+]
+CAPTURE = [
+    "--layers",
+    "8",
+    "--modes",
+    "sparse",
+    "--capture-sizes",
+    "2048",
+    "--max-num-batched-tokens",
+    "2048",
+    "--workloads",
+    "prefill:32x2048",
+    "decode:1x128",
+    "decode:64x256",
+]
 
 
 # the host CPU's op table: 2:4 and 50 % on the 7B shapes at 16 and 512 tokens, with the brgemm
 # tiles' column (on an H200's host, in the 4.4 minutes left after the pruning calls, 2:4 at 16
 # and 512 tokens finished, the kernels' build included, and 50 % was cut off)
-CPU_OP = ["--shapes", "7B", "--tokens", "16", "512", "--sparsity", "2:4", "0.5",
-          "--repeats", "3"]  # fmt: skip
+CPU_OP = ["--shapes", "7B", "--tokens", "16", "512", "--sparsity", "2:4", "0.5", "--repeats", "3"]
 
 
 def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]]:
@@ -165,31 +235,112 @@ def stage_commands(stage: str, out: Path, smoke: bool = False) -> list[list[str]
     install = [python, __file__, "install"]
     commands = {
         "install-prune": [[*install, str(PRUNE_SITE), str(STAGE_ROOT / "wheels")]],
-        "prune": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
-                   "--out", str(out)]],
-        "prune-reference": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
-                             "--reference", "--out", str(out)]],
-        "profile": [[python, "benchmarks/speed.py", *(PRUNE_SMOKE if smoke else PROFILE_SIZE),
-                     "--methods", "whisper", "--pipelines", "whisper_layerwise",
-                     "--profile", "whisper", "--out", str(out / "profile")]],
-        "cuda-tests": [[python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                        "tests/test_pipeline.py", "tests/test_sparse_kernels.py"]],
+        "prune": [
+            [
+                python,
+                "benchmarks/speed.py",
+                *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
+                "--out",
+                str(out),
+            ]
+        ],
+        "prune-reference": [
+            [
+                python,
+                "benchmarks/speed.py",
+                *(PRUNE_SMOKE if smoke else PRUNE_SIZE),
+                "--reference",
+                "--out",
+                str(out),
+            ]
+        ],
+        "profile": [
+            [
+                python,
+                "benchmarks/speed.py",
+                *(PRUNE_SMOKE if smoke else PROFILE_SIZE),
+                "--methods",
+                "whisper",
+                "--pipelines",
+                "whisper_layerwise",
+                "--profile",
+                "whisper",
+                "--out",
+                str(out / "profile"),
+            ]
+        ],
+        "cuda-tests": [
+            [
+                python,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-rs",
+                "tests/test_pipeline.py",
+                "tests/test_sparse_kernels.py",
+            ]
+        ],
         "install-vllm": [[*install, str(VLLM_SITE), str(VLLM_WHEELS), str(VLLM_WHEELS / "deps")]],
-        "serve": [[*speed, *(SERVE_SMOKE if smoke else ["--layers", "8"]), "--modes", "auto",
-                   "sparse", "--profile", "--out", str(out)]],
+        "serve": [
+            [
+                *speed,
+                *(SERVE_SMOKE if smoke else ["--layers", "8"]),
+                "--modes",
+                "auto",
+                "sparse",
+                "--profile",
+                "--out",
+                str(out),
+            ]
+        ],
         "serve-capture": [[*speed, *CAPTURE, "--out", str(out / "capture")]],
-        "cpu-op": [["env", "OMP_NUM_THREADS=2", "taskset", "-c", "0,1", python,
-                    "benchmarks/cpu_sparse_op.py", *CPU_OP, "--out", str(out / "cpu_op")]],
-        "correct": [[python, "benchmarks/vllm_correctness.py", "--dtype", "bfloat16",
-                     "--recipes", "whisper_2of4", "whisper_2of4_fp8", "--out", str(out)]],
-    }  # fmt: skip
+        "cpu-op": [
+            [
+                "env",
+                "OMP_NUM_THREADS=2",
+                "taskset",
+                "-c",
+                "0,1",
+                python,
+                "benchmarks/cpu_sparse_op.py",
+                *CPU_OP,
+                "--out",
+                str(out / "cpu_op"),
+            ]
+        ],
+        "correct": [
+            [
+                python,
+                "benchmarks/vllm_correctness.py",
+                "--dtype",
+                "bfloat16",
+                "--recipes",
+                "whisper_2of4",
+                "whisper_2of4_fp8",
+                "--out",
+                str(out),
+            ]
+        ],
+    }
     if stage not in commands:
         raise ValueError(f"stage {stage!r} is not one of {', '.join(commands)}")
     return commands[stage]
 
 
-STAGES = ("install-prune", "prune", "prune-reference", "cuda-tests", "profile", "cpu-op",
-          "install-vllm", "serve", "serve-capture", "correct")  # fmt: skip
+STAGES = (
+    "install-prune",
+    "prune",
+    "prune-reference",
+    "cuda-tests",
+    "profile",
+    "cpu-op",
+    "install-vllm",
+    "serve",
+    "serve-capture",
+    "correct",
+)
 
 
 def run_command(command: list[str], env: dict, log_path: Path, seconds: float) -> int | str:
@@ -197,8 +348,15 @@ def run_command(command: list[str], env: dict, log_path: Path, seconds: float) -
     "time limit" where it was killed, with its process group, after ``seconds``."""
     killed = threading.Event()
     with open(log_path, "a") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, text=True, start_new_session=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            text=True,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
 
         def stop() -> None:  # the command and what it started (vllm_speed's engines)
             killed.set()
@@ -253,8 +411,20 @@ def install(site: Path, folders: list[Path]) -> int:
     wheels = sorted(str(wheel) for folder in folders for wheel in folder.glob("*.whl"))
     if not wheels:
         raise SystemExit(f"no wheels in {', '.join(map(str, folders))}: carry them first")
-    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-               "--no-compile", "--upgrade", "--target", str(site), *wheels]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--upgrade",
+        "--target",
+        str(site),
+        *wheels,
+    ]
     return subprocess.run(command).returncode
 
 
@@ -282,8 +452,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.action == "prepare":
         pruning_only = args.plan == "prune"
-        path = prepare(args.skip_vllm or pruning_only,
-                       (lambda parts: prune_calls()) if pruning_only else calls)  # fmt: skip
+        path = prepare(
+            args.skip_vllm or pruning_only, (lambda parts: prune_calls()) if pruning_only else calls
+        )
         print(path.read_text())
         return 0
     if args.action == "calls":

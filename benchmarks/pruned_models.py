@@ -40,8 +40,11 @@ def decoder_linear_names(model) -> list[str]:
     """The decoder layers' Linear modules (attention and MLP projections), by name."""
     import torch
 
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and ".layers." in name]  # fmt: skip
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and ".layers." in name
+    ]
 
 
 def pruned_llama(layers: int, dtype, size: str = "7b", device: str = "cuda"):

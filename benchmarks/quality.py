@@ -47,14 +47,21 @@ from quality_report import (  # noqa: E402
 from variant_runs import run_key, run_variants  # noqa: E402
 
 SWEEP = ["0.5", "0.55", "0.6", "0.65", "0.7", "0.75"]
-GAMMA_AUTO = ["sparsegpt", "whisper", "whisper:gamma=auto", "wanda", "wisp", "wisp:gamma=auto",
-              "wisp_plus:gamma=auto",
-              # ablations: the summed squared error, with and without the evidence rule
-              "whisper:gamma=auto;gamma_criterion=absolute",
-              "wisp:gamma=auto;gamma_criterion=absolute",
-              "whisper:gamma=auto;gamma_criterion=absolute;gamma_evidence=0",
-              "wisp:gamma=auto;gamma_criterion=absolute;gamma_evidence=0",
-              "wisp_plus:gamma=auto;gamma_criterion=absolute;gamma_evidence=0"]  # fmt: skip
+GAMMA_AUTO = [
+    "sparsegpt",
+    "whisper",
+    "whisper:gamma=auto",
+    "wanda",
+    "wisp",
+    "wisp:gamma=auto",
+    "wisp_plus:gamma=auto",
+    # ablations: the summed squared error, with and without the evidence rule
+    "whisper:gamma=auto;gamma_criterion=absolute",
+    "wisp:gamma=auto;gamma_criterion=absolute",
+    "whisper:gamma=auto;gamma_criterion=absolute;gamma_evidence=0",
+    "wisp:gamma=auto;gamma_criterion=absolute;gamma_evidence=0",
+    "wisp_plus:gamma=auto;gamma_criterion=absolute;gamma_evidence=0",
+]
 GAMMA_AUTO_SPARSITIES = ["2:4", "0.65"]
 
 
@@ -129,8 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.sparsities is None:
         args.sparsities = GAMMA_AUTO_SPARSITIES if args.gamma_auto else ["2:4"]
     if args.eval_windows is not None and len(args.eval_windows) not in (1, len(args.models)):
-        parser.error(f"--eval-windows takes 1 or {len(args.models)} values (one per model), "
-                     f"not {len(args.eval_windows)}")  # fmt: skip
+        parser.error(
+            f"--eval-windows takes 1 or {len(args.models)} values (one per model), "
+            f"not {len(args.eval_windows)}"
+        )
     return args
 
 
@@ -138,15 +147,28 @@ def run_spec(spec, args: argparse.Namespace, index: int):
     """The model's spec as this run uses it (the paper's protocol, the calibration size
     given), as recorded, and its evaluation windows (None: all)."""
     if args.paper_protocol:
-        spec = type(spec)(**(vars(spec) | {
-            "calibration": "wikitext2", "evaluation": "wikitext2",
-            "num_sequences": 128, "seq_len": 4096, "eval_seq_len": 4096,
-            "eval_windows": None,
-        }))  # fmt: skip
-    spec = type(spec)(**(vars(spec) | {
-        "num_sequences": args.num_sequences or spec.num_sequences,
-        "seq_len": args.seq_len or spec.seq_len,
-    }))  # fmt: skip
+        spec = type(spec)(
+            **(
+                vars(spec)
+                | {
+                    "calibration": "wikitext2",
+                    "evaluation": "wikitext2",
+                    "num_sequences": 128,
+                    "seq_len": 4096,
+                    "eval_seq_len": 4096,
+                    "eval_windows": None,
+                }
+            )
+        )
+    spec = type(spec)(
+        **(
+            vars(spec)
+            | {
+                "num_sequences": args.num_sequences or spec.num_sequences,
+                "seq_len": args.seq_len or spec.seq_len,
+            }
+        )
+    )
     windows = spec.eval_windows
     if args.eval_windows is not None:
         windows = args.eval_windows[index if len(args.eval_windows) > 1 else 0] or None
@@ -162,8 +184,11 @@ def dense_perplexity(spec, windows, cache: dict, cached_only: bool):
         model, tokenizer = load(spec)
         eval_ids = evaluation_ids(spec, tokenizer)
         if dense_key not in cache:  # a resumed benchmark does not evaluate it again
-            cache[dense_key] = {"perplexity": spec_perplexity(
-                on_evaluation_device(model), spec, tokenizer, eval_ids, windows)}  # fmt: skip
+            cache[dense_key] = {
+                "perplexity": spec_perplexity(
+                    on_evaluation_device(model), spec, tokenizer, eval_ids, windows
+                )
+            }
         del model
     return cache[dense_key]["perplexity"], tokenizer, eval_ids
 
@@ -177,8 +202,10 @@ def main(argv=None) -> int:
     quiet_logs()
     sparsities = list(dict.fromkeys(args.sparsities + (SWEEP if args.sweep else [])))
     specs = model_specs()
-    results = {"config": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
-               "models": {}}  # fmt: skip
+    results = {
+        "config": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
+        "models": {},
+    }
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
 
     def save_partial():
@@ -196,10 +223,20 @@ def main(argv=None) -> int:
             "runs": {},
         }
         run_variants(
-            spec, tokenizer, eval_ids, windows, args.methods, sparsities, args.seeds,
-            args.num_sequences, args.seq_len, table=entry["runs"],
-            on_cell=save_partial, cache=cache, cached_only=args.cached_only,
-        )  # fmt: skip
+            spec,
+            tokenizer,
+            eval_ids,
+            windows,
+            args.methods,
+            sparsities,
+            args.seeds,
+            args.num_sequences,
+            args.seq_len,
+            table=entry["runs"],
+            on_cell=save_partial,
+            cache=cache,
+            cached_only=args.cached_only,
+        )
     write_json(args.out / "quality.json", results)
     (args.out / "quality.md").write_text(markdown(results))
     plot(results, args.out)

@@ -35,23 +35,31 @@ def baseline_comparisons(entry) -> list[dict]:
             fixed = cells.get(method)
             if baseline is None:
                 continue
-            sems = [x for x in (cell["perplexity_sem"], baseline["perplexity_sem"])
-                    if not math.isnan(x)]  # one seed: no s.e.m.  # fmt: skip
+            sems = [
+                x for x in (cell["perplexity_sem"], baseline["perplexity_sem"]) if not math.isnan(x)
+            ]  # one seed: no s.e.m.
             tolerance = max([*sems, 0.01 * baseline["perplexity"]])
             baseline_by_seed = {run["seed"]: run["perplexity"] for run in baseline["runs"]}
-            seed_ratios = {run["seed"]: run["perplexity"] / baseline_by_seed[run["seed"]]
-                           for run in cell["runs"] if run["seed"] in baseline_by_seed}  # fmt: skip
+            seed_ratios = {
+                run["seed"]: run["perplexity"] / baseline_by_seed[run["seed"]]
+                for run in cell["runs"]
+                if run["seed"] in baseline_by_seed
+            }
             threads = {run.get("threads") for run in cell["runs"] + baseline["runs"]}
-            rows.append({
-                "sparsity": label, "variant": variant, "baseline": BASELINE_OF[method],
-                "ratio_to_baseline": cell["perplexity"] / baseline["perplexity"],
-                "seed_ratios": seed_ratios,
-                "worst_seed_ratio": max(seed_ratios.values()),
-                "threads": sorted(threads, key=lambda count: (count is None, count)),
-                "never_worse": cell["perplexity"] <= baseline["perplexity"] + tolerance,
-                "ratio_to_fixed": fixed and cell["perplexity"] / fixed["perplexity"],
-                "time_ratio_to_fixed": fixed and cell["seconds"] / fixed["seconds"],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "sparsity": label,
+                    "variant": variant,
+                    "baseline": BASELINE_OF[method],
+                    "ratio_to_baseline": cell["perplexity"] / baseline["perplexity"],
+                    "seed_ratios": seed_ratios,
+                    "worst_seed_ratio": max(seed_ratios.values()),
+                    "threads": sorted(threads, key=lambda count: (count is None, count)),
+                    "never_worse": cell["perplexity"] <= baseline["perplexity"] + tolerance,
+                    "ratio_to_fixed": fixed and cell["perplexity"] / fixed["perplexity"],
+                    "time_ratio_to_fixed": fixed and cell["seconds"] / fixed["seconds"],
+                }
+            )
     return rows
 
 
@@ -123,18 +131,22 @@ def seed_ratio_table(comparisons) -> list[str]:
         "windows), their mean, the worst seed, and the CPU thread counts of the runs "
         "compared (? where not recorded):",
         "",
-        "| sparsity | variant | " + " | ".join(f"seed {seed}" for seed in seeds)
+        "| sparsity | variant | "
+        + " | ".join(f"seed {seed}" for seed in seeds)
         + " | mean | worst | threads |",
         "|---|---|" + "---|" * (len(seeds) + 3),
-    ]  # fmt: skip
+    ]
     for row in comparisons:
         ratios = row["seed_ratios"]
         cells = [f"{ratios[seed]:.3f}" if seed in ratios else "" for seed in seeds]
         mean = sum(ratios.values()) / len(ratios)
         threads = ", ".join("?" if count is None else str(count) for count in row["threads"])
         worst = row["worst_seed_ratio"]
-        lines.append(f"| {row['sparsity']} | {row['variant']} | " + " | ".join(cells)
-                     + f" | {mean:.3f} | **{worst:.3f}** | {threads} |")  # fmt: skip
+        lines.append(
+            f"| {row['sparsity']} | {row['variant']} | "
+            + " | ".join(cells)
+            + f" | {mean:.3f} | **{worst:.3f}** | {threads} |"
+        )
     return lines
 
 
@@ -153,20 +165,38 @@ def plot(results, out: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, (model_name, entry) in zip(axes[0], models.items(), strict=True):
         label = "2:4" if "2:4" in entry["runs"] else next(iter(entry["runs"]))
-        points = sorted((r["seconds"], r["perplexity"], r["perplexity_sem"], method)
-                        for method, r in entry["runs"][label].items())  # fmt: skip
+        points = sorted(
+            (r["seconds"], r["perplexity"], r["perplexity_sem"], method)
+            for method, r in entry["runs"][label].items()
+        )
         for seconds, ppl, sem, method in points:
-            ax.errorbar([seconds], [ppl], yerr=[sem], marker="o", capsize=3, label=method,
-                        color=colors[method])  # fmt: skip
+            ax.errorbar(
+                [seconds],
+                [ppl],
+                yerr=[sem],
+                marker="o",
+                capsize=3,
+                label=method,
+                color=colors[method],
+            )
         front, best = [], float("inf")
         for seconds, ppl, _, _ in points:  # Pareto front: faster or better than all before
             if ppl < best:
                 front.append((seconds, ppl))
                 best = ppl
-        ax.step(*zip(*front, strict=True), where="post", color="black", linewidth=1,
-                label="Pareto front")  # fmt: skip
-        ax.set(title=f"{model_name}: perplexity vs pruning time ({label})",
-               xlabel="pruning time (s)", ylabel="perplexity", yscale="log")  # fmt: skip
+        ax.step(
+            *zip(*front, strict=True),
+            where="post",
+            color="black",
+            linewidth=1,
+            label="Pareto front",
+        )
+        ax.set(
+            title=f"{model_name}: perplexity vs pruning time ({label})",
+            xlabel="pruning time (s)",
+            ylabel="perplexity",
+            yscale="log",
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "perplexity_vs_time.png", dpi=120)
@@ -184,11 +214,22 @@ def plot_sparsity_sweep(models, colors, out: Path, plt) -> None:
             rs = [
                 entry["runs"][label][method] for label in labels if method in entry["runs"][label]
             ]
-            ax.errorbar(xs, [r["perplexity"] for r in rs], yerr=[r["perplexity_sem"] for r in rs],
-                        marker="o", capsize=3, label=method, color=colors[method])  # fmt: skip
+            ax.errorbar(
+                xs,
+                [r["perplexity"] for r in rs],
+                yerr=[r["perplexity_sem"] for r in rs],
+                marker="o",
+                capsize=3,
+                label=method,
+                color=colors[method],
+            )
         ax.axhline(entry["dense"], color="gray", linestyle=":", label="dense")
-        ax.set(title=f"{model_name}: perplexity vs unstructured sparsity", xlabel="sparsity",
-               ylabel="perplexity", yscale="log")  # fmt: skip
+        ax.set(
+            title=f"{model_name}: perplexity vs unstructured sparsity",
+            xlabel="sparsity",
+            ylabel="perplexity",
+            yscale="log",
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "perplexity_vs_sparsity.png", dpi=120)
@@ -211,8 +252,14 @@ def plot_baseline_ratios(results, out: Path) -> None:
                 if baseline is None or options not in ("", "gamma=auto"):
                     continue
                 scale = baseline["perplexity"]
-                bars.append((f"{variant}\n{label}", cell["perplexity"] / scale,
-                             cell["perplexity_sem"] / scale, options == "gamma=auto"))  # fmt: skip
+                bars.append(
+                    (
+                        f"{variant}\n{label}",
+                        cell["perplexity"] / scale,
+                        cell["perplexity_sem"] / scale,
+                        options == "gamma=auto",
+                    )
+                )
         if bars:
             panels.append((model_name, bars))
     if not panels:
@@ -222,17 +269,25 @@ def plot_baseline_ratios(results, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(1.1 * max(len(b) for _, b in panels) + 2,
-                             4), squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(1.1 * max(len(b) for _, b in panels) + 2, 4), squeeze=False
+    )
     for ax, (model_name, bars) in zip(axes[0], panels, strict=True):
         names, ratios, errors, auto = zip(*bars, strict=True)
-        ax.bar(range(len(bars)), ratios, yerr=errors, capsize=3,
-               color=["C2" if a else "C7" for a in auto])  # fmt: skip
+        ax.bar(
+            range(len(bars)),
+            ratios,
+            yerr=errors,
+            capsize=3,
+            color=["C2" if a else "C7" for a in auto],
+        )
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.set_xticks(range(len(bars)), names, rotation=60, ha="right", fontsize=7)
-        ax.set(title=f"{model_name}: perplexity / baseline (green: gamma auto)",
-               ylabel="ppl / SparseGPT or Wanda", ylim=(min(0.9, min(ratios) - 0.05),
-                                                       max(ratios) + 0.05))  # fmt: skip
+        ax.set(
+            title=f"{model_name}: perplexity / baseline (green: gamma auto)",
+            ylabel="ppl / SparseGPT or Wanda",
+            ylim=(min(0.9, min(ratios) - 0.05), max(ratios) + 0.05),
+        )
     fig.tight_layout()
     fig.savefig(out / "gamma_auto_ratios.png", dpi=120)
     plt.close(fig)
@@ -244,9 +299,12 @@ def plot_gamma_per_layer(results, out: Path) -> None:
     seed a dot; the ablations' choices are in ``quality.json``)."""
     import re
 
-    panels = [(model_name, label, cells) for model_name, entry in results["models"].items()
-              for label, cells in entry["runs"].items()
-              if any(r.get("gamma") for cell in cells.values() for r in cell["runs"])]  # fmt: skip
+    panels = [
+        (model_name, label, cells)
+        for model_name, entry in results["models"].items()
+        for label, cells in entry["runs"].items()
+        if any(r.get("gamma") for cell in cells.values() for r in cell["runs"])
+    ]
     if not panels:
         return
     import matplotlib
@@ -269,12 +327,21 @@ def plot_gamma_per_layer(results, out: Path) -> None:
                 continue
             layers = sorted(per_layer)
             color = f"C{index % 10}"
-            ax.plot(layers, [sum(per_layer[i]) / len(per_layer[i]) for i in layers],
-                    color=color, label=variant)  # fmt: skip
+            ax.plot(
+                layers,
+                [sum(per_layer[i]) / len(per_layer[i]) for i in layers],
+                color=color,
+                label=variant,
+            )
             for i in layers:
                 ax.scatter([i] * len(per_layer[i]), per_layer[i], color=color, s=10, alpha=0.5)
-        ax.set(title=f"{model_name} {label}: chosen gamma per layer", xlabel="layer",
-               ylabel="gamma (gate/up)", yscale="symlog", ylim=(-0.001, 1.1))  # fmt: skip
+        ax.set(
+            title=f"{model_name} {label}: chosen gamma per layer",
+            xlabel="layer",
+            ylabel="gamma (gate/up)",
+            yscale="symlog",
+            ylim=(-0.001, 1.1),
+        )
         ax.set_yscale("symlog", linthresh=0.01)
         ax.legend(fontsize=8)
     fig.tight_layout()

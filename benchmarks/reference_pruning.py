@@ -78,8 +78,9 @@ class _Statistics:
             self.value += x @ x.t()
 
 
-def wanda_prune(weight: torch.Tensor, scaler: torch.Tensor, sparsity: float, prune_n: int,
-                prune_m: int) -> torch.Tensor:  # fmt: skip
+def wanda_prune(
+    weight: torch.Tensor, scaler: torch.Tensor, sparsity: float, prune_n: int, prune_m: int
+) -> torch.Tensor:
     """Wanda's mask on ``|W| sqrt(scaler)``: per group of ``prune_m`` columns the ``prune_n``
     lowest (one ``topk`` over all groups), or per row the ``sparsity`` lowest."""
     metric = weight.float().abs() * scaler.sqrt().reshape(1, -1)
@@ -95,9 +96,15 @@ def wanda_prune(weight: torch.Tensor, scaler: torch.Tensor, sparsity: float, pru
     return weight.masked_fill(mask, 0)
 
 
-def obs_prune(weight: torch.Tensor, hessian: torch.Tensor, sparsity: float, prune_n: int,
-              prune_m: int, blocksize: int = 128,
-              percdamp: float = 0.01) -> torch.Tensor:  # fmt: skip
+def obs_prune(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    sparsity: float,
+    prune_n: int,
+    prune_m: int,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+) -> torch.Tensor:
     """SparseGPT's blocked OBS solve: columns in blocks of ``blocksize``, each column pruned
     by the mask chosen at the start of its group (N:M) or of its block (unstructured), the
     error spread over the later columns through the Cholesky factor of ``H^-1``."""
@@ -140,8 +147,15 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reference_prune(model, sequences, method: str, sparsity: float = 0.5, prune_n: int = 2,
-                    prune_m: int = 4, device=None) -> list[float]:  # fmt: skip
+def reference_prune(
+    model,
+    sequences,
+    method: str,
+    sparsity: float = 0.5,
+    prune_n: int = 2,
+    prune_m: int = 4,
+    device=None,
+) -> list[float]:
     """Prune ``model`` (a decoder with ``model.model.layers``, on ``device``) in place with
     the reference ``method`` on ``sequences`` (token-id tensors, one forward each); the
     wall seconds of each layer (statistics, solve, and the forwards that feed the next)."""
@@ -156,8 +170,9 @@ def reference_prune(model, sequences, method: str, sparsity: float = 0.5, prune_
             start = time.perf_counter()
             linears = {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
             held = {name: _Statistics(module, method) for name, module in linears.items()}
-            hooks = [module.register_forward_hook(held[name].add)
-                     for name, module in linears.items()]  # fmt: skip
+            hooks = [
+                module.register_forward_hook(held[name].add) for name, module in linears.items()
+            ]
             for x in inputs:
                 layer(x, **kwargs)
             for hook in hooks:

@@ -77,8 +77,13 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
     plan = serving_plan(directory, dtype=row["vllm_dtype"])
     start = time.perf_counter()
     try:
-        served = run_vllm(directory, prompts=prompts, score=windows, max_tokens=max_tokens,
-                          dtype=row["vllm_dtype"])  # fmt: skip
+        served = run_vllm(
+            directory,
+            prompts=prompts,
+            score=windows,
+            max_tokens=max_tokens,
+            dtype=row["vllm_dtype"],
+        )
     except RuntimeError as error:  # WorkerFailed: how the worker ended and its last lines
         errors = [line for line in str(error).splitlines() if "Error" in line]
         return row | {"served": False, "error": (errors or [str(error)])[-1].strip()}
@@ -93,7 +98,7 @@ def measure(directory: Path, tokenizer, windows, max_tokens: int) -> dict:
         "vllm_ppl": scores_perplexity(served["scores"]),
         "equal_greedy_prompts": sum(
             a == b for a, b in zip(served["completions"], reference, strict=True)
-        ),  # fmt: skip
+        ),
         "prompts": len(prompts),
         "sample": {"prompt": PROMPTS[0], "completion": tokenizer.decode(served["completions"][0])},
     }
@@ -121,9 +126,14 @@ def emulated_fp8_speed(directory: Path, tokenizer, windows, max_tokens: int, dty
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with tempfile.TemporaryDirectory() as tmp:
         dense = write_dense_layout(directory, Path(tmp) / "dense")
-        request = {"model": str(dense), "dtype": dtype, "max_tokens": max_tokens,
-                   "max_model_len": max(len(w) for w in windows) + 1, "prompts": prompts,
-                   "score": [list(map(int, w)) for w in windows]}  # fmt: skip
+        request = {
+            "model": str(dense),
+            "dtype": dtype,
+            "max_tokens": max_tokens,
+            "max_model_len": max(len(w) for w in windows) + 1,
+            "prompts": prompts,
+            "score": [list(map(int, w)) for w in windows],
+        }
         try:
             served = run_worker(request, serving_python(), EMULATED_LIMIT, "emulated FP8")
         except WorkerFailed as error:
@@ -156,8 +166,11 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--redraw", action="store_true",
-                        help="only write serving.md again from --out's serving.json")  # fmt: skip
+    parser.add_argument(
+        "--redraw",
+        action="store_true",
+        help="only write serving.md again from --out's serving.json",
+    )
     args = parser.parse_args(argv)
     quiet_logs()
     if args.redraw:
@@ -177,9 +190,17 @@ def main(argv=None) -> int:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in args.recipes:
-            out = whisper_prune_to(Path(tmp) / recipe, recipe, args.model, calibration,
-                                   evaluation, args.num_sequences, args.seq_len,
-                                   "--eval-seq-len", str(args.eval_seq_len))  # fmt: skip
+            out = whisper_prune_to(
+                Path(tmp) / recipe,
+                recipe,
+                args.model,
+                calibration,
+                evaluation,
+                args.num_sequences,
+                args.seq_len,
+                "--eval-seq-len",
+                str(args.eval_seq_len),
+            )
             rows[recipe] = measure(out, tokenizer, windows, args.max_tokens)
             print(recipe, rows[recipe], flush=True)
             if emulated and "fp8" in recipe and rows[recipe]["served"]:
@@ -213,8 +234,13 @@ def previous_runs(path: Path) -> dict:
     report = json.loads(path.read_text())
     if "runs" in report:
         return report["runs"]
-    return {"AVX2 only (AMD EPYC, 2 cores)": {"kind": "AVX2 only", "date": "2026-11-23",
-                                              "recipes": report["recipes"]}}  # fmt: skip
+    return {
+        "AVX2 only (AMD EPYC, 2 cores)": {
+            "kind": "AVX2 only",
+            "date": "2026-11-23",
+            "recipes": report["recipes"],
+        }
+    }
 
 
 def markdown(report, args) -> str:
@@ -248,8 +274,12 @@ def markdown(report, args) -> str:
                 emulated = r["vllm_emulated_fp8"] | {"bytes": None}  # not written here
                 label = f"{recipe}, dense layout: vLLM's emulated FP8 alone"
                 lines.append(row_markdown("", label, emulated, report["source_bytes"]))
-    notes = {note for run in report["runs"].values() for r in run["recipes"].values()
-             for note in r.get("notes", [])}  # fmt: skip
+    notes = {
+        note
+        for run in report["runs"].values()
+        for r in run["recipes"].values()
+        for note in r.get("notes", [])
+    }
     lines += [""] + [f"- {note}." for note in sorted(notes)]
     return "\n".join(lines) + "\n"
 

@@ -64,21 +64,29 @@ from whisper_modifiers.modifiers import PIPELINE_NAME as PIPELINE  # noqa: E402
 # (baseline, method or "method:option=value" variant, time target); "variant@pipeline"
 # runs oneshot with that calibration pipeline
 PAIRS = {
-    "main": [("wanda", "wisp", 1.02), ("wanda", "wisp_plus", 1.5),
-             ("sparsegpt", "whisper", 1.03)],
-    "centered": [("wanda", "wisp:pairing=centered", 1.02),
-                 ("sparsegpt", "whisper:pairing=centered", 1.03)],
+    "main": [("wanda", "wisp", 1.02), ("wanda", "wisp_plus", 1.5), ("sparsegpt", "whisper", 1.03)],
+    "centered": [
+        ("wanda", "wisp:pairing=centered", 1.02),
+        ("sparsegpt", "whisper:pairing=centered", 1.03),
+    ],
     # The composites have no target of their own; they are held to their parents' targets.
-    "composites": [("ria", "ria_wisp", 1.02), ("ria", "ria_wisp_plus", 1.5),
-                   ("alps", "alps_whisper", 1.03),
-                   ("sparsegpt", "alps", float("inf"))],  # ALPS's cost against SparseGPT
+    "composites": [
+        ("ria", "ria_wisp", 1.02),
+        ("ria", "ria_wisp_plus", 1.5),
+        ("alps", "alps_whisper", 1.03),
+        ("sparsegpt", "alps", float("inf")),
+    ],  # ALPS's cost against SparseGPT
     # gamma: auto's cost against the same method at a fixed gamma (issue 14: <= 1.5x)
-    "auto": [("whisper", "whisper:gamma=auto", 1.5), ("wisp", "wisp:gamma=auto", 1.5),
-             ("wisp_plus", "wisp_plus:gamma=auto", 1.5)],
+    "auto": [
+        ("whisper", "whisper:gamma=auto", 1.5),
+        ("wisp", "wisp:gamma=auto", 1.5),
+        ("wisp_plus", "wisp_plus:gamma=auto", 1.5),
+    ],
     # issue 24: our layer-by-layer pipeline against llmcompressor's default (no slower)
-    "pipeline": [(m, f"{m}@{PIPELINE}", 1.0) for m in
-                 ("wanda", "wisp", "wisp_plus", "sparsegpt", "whisper")],
-}  # fmt: skip
+    "pipeline": [
+        (m, f"{m}@{PIPELINE}", 1.0) for m in ("wanda", "wisp", "wisp_plus", "sparsegpt", "whisper")
+    ],
+}
 MEMORY_TARGET = 1.1
 
 
@@ -92,8 +100,9 @@ def measure(model_name, variant, structure, num_sequences, seq_len, queue):
     variant, _, pipeline = variant.partition("@")
     method, options = parse_variant(variant)
     recipe = build_recipe(method, 0.5, structure, 0, **options)
-    seconds, peak = prune(model, tokenizer, dataset, recipe,
-                          **({"pipeline": pipeline} if pipeline else {}))  # fmt: skip
+    seconds, peak = prune(
+        model, tokenizer, dataset, recipe, **({"pipeline": pipeline} if pipeline else {})
+    )
     queue.put((seconds, peak, weights_digest(model)))
 
 
@@ -143,16 +152,28 @@ def main_batch_effect(args) -> int:
                 start = time.perf_counter()
                 run_oneshot(model, tokenizer, dataset, recipe, batch_size=batch_size)
                 seconds = time.perf_counter() - start
-                masks[batch_size] = {n: m.weight.detach() != 0 for n, m in model.named_modules()
-                                     if isinstance(m, torch.nn.Linear)}  # fmt: skip
+                masks[batch_size] = {
+                    n: m.weight.detach() != 0
+                    for n, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear)
+                }
                 first = masks[args.batch_sizes[0]]
                 same = sum((first[n] == masks[batch_size][n]).sum().item() for n in first)
                 total = sum(v.numel() for v in first.values())
-                rows.append({"model": model_name, "method": method, "batch_size": batch_size,
-                             "seconds": seconds, "mask_agreement": same / total})  # fmt: skip
-                print(f"{model_name} {method:<10} batch {batch_size}: {seconds:6.1f} s, masks "
-                      f"agree with batch {args.batch_sizes[0]} on {same / total:.5%}",
-                      flush=True)  # fmt: skip
+                rows.append(
+                    {
+                        "model": model_name,
+                        "method": method,
+                        "batch_size": batch_size,
+                        "seconds": seconds,
+                        "mask_agreement": same / total,
+                    }
+                )
+                print(
+                    f"{model_name} {method:<10} batch {batch_size}: {seconds:6.1f} s, masks "
+                    f"agree with batch {args.batch_sizes[0]} on {same / total:.5%}",
+                    flush=True,
+                )
     lines = [
         "# Calibration batch size: time and masks",
         "",
@@ -163,10 +184,14 @@ def main_batch_effect(args) -> int:
         "| model | method | batch | time (s) | mask agreement |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| {r['model']} | {r['method']} | {r['batch_size']} | {r['seconds']:.1f} | "
-              f"{r['mask_agreement']:.5%} |" for r in rows]  # fmt: skip
-    write_json(args.out / "speed_batch.json", {"config": vars(args) | {"out": str(args.out)},
-                                               "rows": rows})  # fmt: skip
+    lines += [
+        f"| {r['model']} | {r['method']} | {r['batch_size']} | {r['seconds']:.1f} | "
+        f"{r['mask_agreement']:.5%} |"
+        for r in rows
+    ]
+    write_json(
+        args.out / "speed_batch.json", {"config": vars(args) | {"out": str(args.out)}, "rows": rows}
+    )
     (args.out / "speed_batch.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
@@ -193,19 +218,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=11008)
-    parser.add_argument("--methods", nargs="+", default=["wanda", "wisp", "wisp_plus",
-                        "sparsegpt", "whisper"], choices=list(LAYER_TARGETS))  # fmt: skip
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["wanda", "wisp", "wisp_plus", "sparsegpt", "whisper"],
+        choices=list(LAYER_TARGETS),
+    )
     parser.add_argument("--offload-devices", nargs="+", default=["cuda"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
-    parser.add_argument("--pipelines", nargs="+", default=["sequential", PIPELINE],
-                        help="calibration pipelines --random-layers compares")  # fmt: skip
+    parser.add_argument(
+        "--pipelines",
+        nargs="+",
+        default=["sequential", PIPELINE],
+        help="calibration pipelines --random-layers compares",
+    )
     parser.add_argument(
         "--reference",
         action="store_true",
         help="--random-layers: time the reference procedure first, same model",
     )
-    parser.add_argument("--reference-methods", nargs="+", default=["wanda", "sparsegpt"],
-                        choices=["wanda", "sparsegpt"])  # fmt: skip
+    parser.add_argument(
+        "--reference-methods",
+        nargs="+",
+        default=["wanda", "sparsegpt"],
+        choices=["wanda", "sparsegpt"],
+    )
     parser.add_argument(
         "--profile",
         default=None,
@@ -235,8 +272,11 @@ def time_pairs(model_name: str, pairs, args) -> tuple[dict, dict, dict]:
             times.setdefault(method, []).append(seconds)
             peaks.setdefault(method, []).append(peak)
             digests.setdefault(method, set()).add(digest)
-            print(f"[{model_name}] rep {rep} {method:<24} {seconds:7.2f} s  "
-                  f"peak +{peak / 2**20:7.1f} MiB", flush=True)  # fmt: skip
+            print(
+                f"[{model_name}] rep {rep} {method:<24} {seconds:7.2f} s  "
+                f"peak +{peak / 2**20:7.1f} MiB",
+                flush=True,
+            )
     return times, peaks, digests
 
 
@@ -247,16 +287,21 @@ def pair_rows(pairs, times: dict, peaks: dict, digests: dict) -> list[dict]:
     for baseline, method, target in pairs:
         t_ratio = statistics.median(times[method]) / statistics.median(times[baseline])
         m_ratio = statistics.median(peaks[method]) / max(statistics.median(peaks[baseline]), 1)
-        rows.append({
-            "baseline": baseline, "method": method,
-            "baseline_seconds": statistics.median(times[baseline]),
-            "method_seconds": statistics.median(times[method]),
-            "time_ratio": t_ratio, "time_target": target,
-            "baseline_peak_bytes": statistics.median(peaks[baseline]),
-            "method_peak_bytes": statistics.median(peaks[method]),
-            "memory_ratio": m_ratio, "memory_target": MEMORY_TARGET,
-            "same_weights": len(digests[method] | digests[baseline]) == 1,
-        })  # fmt: skip
+        rows.append(
+            {
+                "baseline": baseline,
+                "method": method,
+                "baseline_seconds": statistics.median(times[baseline]),
+                "method_seconds": statistics.median(times[method]),
+                "time_ratio": t_ratio,
+                "time_target": target,
+                "baseline_peak_bytes": statistics.median(peaks[baseline]),
+                "method_peak_bytes": statistics.median(peaks[method]),
+                "memory_ratio": m_ratio,
+                "memory_target": MEMORY_TARGET,
+                "same_weights": len(digests[method] | digests[baseline]) == 1,
+            }
+        )
     return rows
 
 
@@ -293,8 +338,9 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         return main_random(args)
     groups = list(dict.fromkeys(args.pairs + (["composites"] if args.composites else [])))
-    pairs = [pair for group in groups for pair in PAIRS[group]
-             if not args.only or pair[1] in args.only]  # fmt: skip
+    pairs = [
+        pair for group in groups for pair in PAIRS[group] if not args.only or pair[1] in args.only
+    ]
 
     report = {"config": vars(args) | {"out": str(args.out)}, "models": {}}
     lines = [

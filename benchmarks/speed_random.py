@@ -23,13 +23,23 @@ from pathlib import Path
 from common import PeakMemory, write_json
 
 LAYER_TARGETS = {  # seconds per 7B layer on an H100 (issue #13, from the paper's times)
-    "wanda": 1.6, "wisp": 1.6, "ria": 1.6, "ria_wisp": 1.6, "wisp_plus": 4.5,
-    "sparsegpt": 11.0, "whisper": 11.0, "alps": 11.0, "alps_whisper": 11.0,
-}  # fmt: skip
+    "wanda": 1.6,
+    "wisp": 1.6,
+    "ria": 1.6,
+    "ria_wisp": 1.6,
+    "wisp_plus": 4.5,
+    "sparsegpt": 11.0,
+    "whisper": 11.0,
+    "alps": 11.0,
+    "alps_whisper": 11.0,
+}
 REFERENCE_TARGETS = {  # method: (its reference, at most this many times its time: issue 50)
-    "wanda": ("wanda", 1.2), "wisp": ("wanda", 1.2), "wisp_plus": ("wanda", 3.0),
-    "sparsegpt": ("sparsegpt", 1.1), "whisper": ("sparsegpt", 1.1),
-}  # fmt: skip
+    "wanda": ("wanda", 1.2),
+    "wisp": ("wanda", 1.2),
+    "wisp_plus": ("wanda", 3.0),
+    "sparsegpt": ("sparsegpt", 1.1),
+    "whisper": ("sparsegpt", 1.1),
+}
 
 
 def random_llama(layers: int, hidden: int, intermediate: int):
@@ -37,10 +47,14 @@ def random_llama(layers: int, hidden: int, intermediate: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
-        vocab_size=32000, max_position_embeddings=4096,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     torch.manual_seed(0)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = LlamaForCausalLM(config).to(dtype).eval()
@@ -61,7 +75,11 @@ def random_tokens(args):
 def seven_b_shaped(args) -> bool:
     """Whether the per-layer targets apply: 7B layer shapes at the paper's 128 × 4096."""
     return (args.hidden, args.intermediate, args.num_sequences, args.seq_len) == (
-        4096, 11008, 128, 4096)  # fmt: skip
+        4096,
+        11008,
+        128,
+        4096,
+    )
 
 
 def stand_in_tokenizer():
@@ -92,13 +110,21 @@ def prune_random(args, method, offload_device, batch_size, pipeline):
 
     model = random_llama(args.random_layers, args.hidden, args.intermediate)
     ids = random_tokens(args)
-    dataset = Dataset.from_dict({"input_ids": ids.tolist(),
-                                 "attention_mask": torch.ones_like(ids).tolist()})  # fmt: skip
+    dataset = Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()}
+    )
     recipe = build_recipe(method, 0.5, args.structure, 0)
     with PeakMemory() as memory:
         start = time.perf_counter()
-        run_oneshot(model, stand_in_tokenizer(), dataset, recipe, batch_size=batch_size,
-                    sequential_offload_device=offload_device, pipeline=pipeline)  # fmt: skip
+        run_oneshot(
+            model,
+            stand_in_tokenizer(),
+            dataset,
+            recipe,
+            batch_size=batch_size,
+            sequential_offload_device=offload_device,
+            pipeline=pipeline,
+        )
         seconds = time.perf_counter() - start
     del model
     _release()
@@ -107,11 +133,16 @@ def prune_random(args, method, offload_device, batch_size, pipeline):
 
 def measure_random(args, method, offload_device, batch_size, pipeline) -> dict:
     seconds, peak = prune_random(args, method, offload_device, batch_size, pipeline)
-    return {"method": method, "pipeline": pipeline, "offload_device": offload_device,
-            "batch_size": batch_size,
-            "seconds": seconds, "seconds_per_layer": seconds / args.random_layers,
-            "layer_target": LAYER_TARGETS.get(method) if seven_b_shaped(args) else None,
-            "peak_bytes": peak}  # fmt: skip
+    return {
+        "method": method,
+        "pipeline": pipeline,
+        "offload_device": offload_device,
+        "batch_size": batch_size,
+        "seconds": seconds,
+        "seconds_per_layer": seconds / args.random_layers,
+        "layer_target": LAYER_TARGETS.get(method) if seven_b_shaped(args) else None,
+        "peak_bytes": peak,
+    }
 
 
 def measure_reference(args, method: str) -> dict:
@@ -125,15 +156,23 @@ def measure_reference(args, method: str) -> dict:
     prune_n, prune_m = _structure(args.structure)
     with PeakMemory() as memory:
         start = time.perf_counter()
-        per_layer = reference_prune(model, list(random_tokens(args)), method, 0.5, prune_n,
-                                    prune_m, device)  # fmt: skip
+        per_layer = reference_prune(
+            model, list(random_tokens(args)), method, 0.5, prune_n, prune_m, device
+        )
         seconds = time.perf_counter() - start
     del model
     _release()
-    return {"method": f"reference {method}", "pipeline": "reference", "offload_device": device,
-            "batch_size": 1, "seconds": seconds, "seconds_per_layer": seconds / args.random_layers,
-            "layer_seconds": per_layer, "layer_target": None,
-            "peak_bytes": memory.bytes}  # fmt: skip
+    return {
+        "method": f"reference {method}",
+        "pipeline": "reference",
+        "offload_device": device,
+        "batch_size": 1,
+        "seconds": seconds,
+        "seconds_per_layer": seconds / args.random_layers,
+        "layer_seconds": per_layer,
+        "layer_target": None,
+        "peak_bytes": memory.bytes,
+    }
 
 
 def _structure(text: str) -> tuple[int, int]:
@@ -144,8 +183,11 @@ def _structure(text: str) -> tuple[int, int]:
 def with_reference_ratios(rows: list[dict]) -> None:
     """Each row's seconds per layer over its reference's (``REFERENCE_TARGETS``), where the
     run has that reference."""
-    references = {r["method"].removeprefix("reference "): r["seconds_per_layer"]
-                  for r in rows if r["pipeline"] == "reference"}  # fmt: skip
+    references = {
+        r["method"].removeprefix("reference "): r["seconds_per_layer"]
+        for r in rows
+        if r["pipeline"] == "reference"
+    }
     for row in rows:
         reference, target = REFERENCE_TARGETS.get(row["method"], (None, None))
         base = references.get(reference)
@@ -163,13 +205,14 @@ def profile_method(args, method: str) -> Path:
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as profiler:
-        prune_random(args, method, args.offload_devices[0], args.batch_sizes[0],
-                     args.pipelines[0])  # fmt: skip
+        prune_random(args, method, args.offload_devices[0], args.batch_sizes[0], args.pipelines[0])
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60)
     path = args.out / f"profile_{method}.md"
-    path.write_text(f"# Profile: {method}, {args.pipelines[0]}, cache {args.offload_devices[0]}"
-                    f", batch {args.batch_sizes[0]}\n\n```\n{table}\n```\n")  # fmt: skip
+    path.write_text(
+        f"# Profile: {method}, {args.pipelines[0]}, cache {args.offload_devices[0]}"
+        f", batch {args.batch_sizes[0]}\n\n```\n{table}\n```\n"
+    )
     return path
 
 
@@ -181,17 +224,23 @@ def main_random(args) -> int:
     for method in args.reference_methods if args.reference else ():
         row = measure_reference(args, method)
         payload["rows"].append(row)
-        print(f"reference {method:<14}: {row['seconds']:7.2f} s "
-              f"({row['seconds_per_layer']:.2f} s/layer)", flush=True)  # fmt: skip
+        print(
+            f"reference {method:<14}: {row['seconds']:7.2f} s "
+            f"({row['seconds_per_layer']:.2f} s/layer)",
+            flush=True,
+        )
         write_random_tables(args.out, payload, show=False)
     for offload_device in args.offload_devices:
         for batch_size in args.batch_sizes:
             for method, pipeline in itertools.product(args.methods, args.pipelines):
                 row = measure_random(args, method, offload_device, batch_size, pipeline)
                 payload["rows"].append(row)
-                print(f"{method:<14} {pipeline:<17} cache {offload_device:<5} batch {batch_size}: "
-                      f"{row['seconds']:7.2f} s ({row['seconds_per_layer']:.2f} s/layer), "
-                      f"peak +{row['peak_bytes'] / 2**30:.1f} GiB", flush=True)  # fmt: skip
+                print(
+                    f"{method:<14} {pipeline:<17} cache {offload_device:<5} batch {batch_size}: "
+                    f"{row['seconds']:7.2f} s ({row['seconds_per_layer']:.2f} s/layer), "
+                    f"peak +{row['peak_bytes'] / 2**30:.1f} GiB",
+                    flush=True,
+                )
                 # the rows so far, so that a run stopped at a time limit keeps them
                 write_random_tables(args.out, payload, show=False)
     write_random_tables(args.out, payload)

@@ -47,9 +47,21 @@ def run_key(spec: ModelSpec, windows, recipe, seed: int) -> str:
     return json.dumps([vars(spec), windows, modifiers, seed], sort_keys=True, default=str)
 
 
-def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, seeds,
-                 num_sequences=None, seq_len=None, table=None, on_cell=None,
-                 cache=None, cached_only=False) -> dict:  # fmt: skip
+def run_variants(
+    spec,
+    tokenizer,
+    eval_ids,
+    windows,
+    variants,
+    sparsity_labels,
+    seeds,
+    num_sequences=None,
+    seq_len=None,
+    table=None,
+    on_cell=None,
+    cache=None,
+    cached_only=False,
+) -> dict:
     """Prune and evaluate every (sparsity, variant, seed) into ``table``
     (``{sparsity label: {variant: cell}}``, a cell holding the runs and mean +- s.e.m.);
     ``on_cell()`` is called after each cell and each new run. ``cache`` (a dict,
@@ -81,16 +93,23 @@ def run_variants(spec, tokenizer, eval_ids, windows, variants, sparsity_labels, 
                     ppl = spec_perplexity(model, spec, tokenizer, eval_ids, windows)
                     selection = gamma_selection(recipe)  # gamma: auto's record, if any
                     gammas = {name: choice["gamma"] for name, choice in selection.items()}
-                    cache[key] = {"seed": seed, "perplexity": ppl, "seconds": seconds,
-                                  "peak_bytes": memory, "gamma": gammas,
-                                  "selection": selection,
-                                  "threads": torch.get_num_threads()}  # fmt: skip
+                    cache[key] = {
+                        "seed": seed,
+                        "perplexity": ppl,
+                        "seconds": seconds,
+                        "peak_bytes": memory,
+                        "gamma": gammas,
+                        "selection": selection,
+                        "threads": torch.get_num_threads(),
+                    }
                     if on_cell is not None:
                         on_cell()  # the cache keeps each finished run
                 runs.append(cache[key])
-                print(f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl "
-                      f"{runs[-1]['perplexity']:.3f}  {runs[-1]['seconds']:.1f} s",
-                      flush=True)  # fmt: skip
+                print(
+                    f"[{spec.name}] {label:>5} {variant} seed {seed}: ppl "
+                    f"{runs[-1]['perplexity']:.3f}  {runs[-1]['seconds']:.1f} s",
+                    flush=True,
+                )
             if len(runs) < seeds:  # cached_only, and some seed was not run
                 continue
             ppl_mean, ppl_sem = mean_sem([r["perplexity"] for r in runs])

@@ -57,14 +57,20 @@ def compare(ours: dict, dense: dict) -> dict:
     }
 
 
-def measure(checkpoint: Path, prompts, windows, max_tokens: int, dtype: str | None,
-            timeout: float) -> dict:  # fmt: skip
+def measure(
+    checkpoint: Path, prompts, windows, max_tokens: int, dtype: str | None, timeout: float
+) -> dict:
     from whisper_sparse.driver import run_vllm, serving_dtype
     from whisper_sparse.format.layout import write_dense_layout
 
     dtype = dtype or serving_dtype(checkpoint)
-    run = {"prompts": prompts, "score": windows, "max_tokens": max_tokens, "dtype": dtype,
-           "timeout": timeout}  # fmt: skip
+    run = {
+        "prompts": prompts,
+        "score": windows,
+        "max_tokens": max_tokens,
+        "dtype": dtype,
+        "timeout": timeout,
+    }
     ours = run_vllm(checkpoint, **run)
     with tempfile.TemporaryDirectory() as tmp:
         dense = run_vllm(write_dense_layout(checkpoint, Path(tmp) / "dense"), **run)
@@ -74,14 +80,23 @@ def measure(checkpoint: Path, prompts, windows, max_tokens: int, dtype: str | No
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_checkpoint_arguments(parser, RECIPES)
-    parser.add_argument("--checkpoints", nargs="+", type=Path, default=None,
-                        help="compressed checkpoints to compare instead of pruning")  # fmt: skip
+    parser.add_argument(
+        "--checkpoints",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="compressed checkpoints to compare instead of pruning",
+    )
     parser.add_argument("--dtype", default=None, help="default: serving.serving_dtype's")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--timeout", type=float, default=1200,
-                        help="seconds one vLLM run may take before it is stopped")  # fmt: skip
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1200,
+        help="seconds one vLLM run may take before it is stopped",
+    )
     args = parser.parse_args(argv)
     quiet_logs()
 
@@ -94,15 +109,30 @@ def main(argv=None) -> int:
         checkpoints = {str(path): path for path in args.checkpoints or []}
         for recipe in [] if args.checkpoints else args.recipes:
             checkpoints[recipe] = whisper_prune_to(
-                Path(tmp) / recipe, recipe, args.model, calibration, evaluation,
-                args.num_sequences, args.seq_len, "--layout", "compressed",
-            )  # fmt: skip
+                Path(tmp) / recipe,
+                recipe,
+                args.model,
+                calibration,
+                evaluation,
+                args.num_sequences,
+                args.seq_len,
+                "--layout",
+                "compressed",
+            )
         for name, checkpoint in checkpoints.items():
-            rows[name] = measure(checkpoint, windows, windows, args.max_tokens, args.dtype,
-                                 args.timeout)  # fmt: skip
+            rows[name] = measure(
+                checkpoint, windows, windows, args.max_tokens, args.dtype, args.timeout
+            )
             print(name, rows[name], flush=True)
-    report = {"config": vars(args) | {"out": str(args.out), "model": str(source),
-              "checkpoints": [str(p) for p in args.checkpoints or []]}, "rows": rows}  # fmt: skip
+    report = {
+        "config": vars(args)
+        | {
+            "out": str(args.out),
+            "model": str(source),
+            "checkpoints": [str(p) for p in args.checkpoints or []],
+        },
+        "rows": rows,
+    }
     write_json(args.out / "vllm_correctness.json", report)
     (args.out / "vllm_correctness.md").write_text(markdown(report, args))
     print(markdown(report, args))

@@ -52,8 +52,10 @@ class Workload:
         kind, _, shape = text.partition(":")
         sequences, _, tokens = shape.partition("x")
         if kind not in ("prefill", "decode") or not (sequences.isdigit() and tokens.isdigit()):
-            raise ValueError(f"workload {text!r} is not prefill:NxL or decode:NxT (e.g. "
-                             "prefill:32x2048, decode:64x256)")  # fmt: skip
+            raise ValueError(
+                f"workload {text!r} is not prefill:NxL or decode:NxT (e.g. "
+                "prefill:32x2048, decode:64x256)"
+            )
         if int(sequences) < 1 or int(tokens) < 1:
             raise ValueError(f"workload {text!r}: N and the token count must be at least 1")
         return cls(kind, int(sequences), int(tokens))
@@ -136,8 +138,15 @@ def profile_summary(profiler, on_gpu: bool, top: int) -> dict:
 
     key = device_us if on_gpu else (lambda event: float(event.self_cpu_time_total))
     ranked = sorted(events, key=key, reverse=True)[:top]
-    rows = [{"op": e.key, "calls": e.count, "self_cpu_us": float(e.self_cpu_time_total),
-             "self_device_us": device_us(e)} for e in ranked]  # fmt: skip
+    rows = [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "self_cpu_us": float(e.self_cpu_time_total),
+            "self_device_us": device_us(e),
+        }
+        for e in ranked
+    ]
     watched = {}
     for event in events:
         for name in WATCHED_OPS:
@@ -214,14 +223,18 @@ def start_engine(args) -> tuple:
     start = time.perf_counter()
     llm = vllm.LLM(**kwargs)
     result = {
-        "label": args.label, "mode": args.mode, "engine": kwargs,
+        "label": args.label,
+        "mode": args.mode,
+        "engine": kwargs,
         "start_seconds": time.perf_counter() - start,
         "device": torch.cuda.get_device_name() if on_gpu else "CPU",
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "weights": weight_bytes(llm, sparse_weight_bytes),
-        "graphs": graph_settings(llm), "workloads": {}, "profiles": {},
+        "graphs": graph_settings(llm),
+        "workloads": {},
+        "profiles": {},
         "rss_after_load": resident_bytes(),
-    }  # fmt: skip
+    }
     # the same after this process's freed heap pages went back to the OS (every engine alike:
     # dense vLLM keeps its load's freed pages, the plugin returns its own)
     release_freed_heap()

@@ -52,8 +52,14 @@ def serve(args, control, commands) -> None:
             answer(control, {"warm": name})
             continue
         seconds = run_workload(llm, workload, prompts)
-        answer(control, {"workload": name, "seconds": seconds,
-                         "tokens_per_s": workload.counted_tokens / seconds})  # fmt: skip
+        answer(
+            control,
+            {
+                "workload": name,
+                "seconds": seconds,
+                "tokens_per_s": workload.counted_tokens / seconds,
+            },
+        )
     answer(control, {"rss_peak": resident_bytes("VmHWM")})
 
 

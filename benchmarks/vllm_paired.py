@@ -64,9 +64,13 @@ class HeldEngine:
         with open(log, "w") as output:
             self.process = subprocess.Popen(
                 [command[0], str(HELD_ENGINE), str(write), *command[1:]],
-                stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT, text=True,
-                env=serving_env(), pass_fds=[write],
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=serving_env(),
+                pass_fds=[write],
+            )
         os.close(write)
         self.control = os.fdopen(read)
         self.loaded = self.answer()
@@ -105,9 +109,20 @@ class HeldEngine:
 
 def engine_command(python: str, checkpoint: Path, label: str, engines: int, args) -> list[str]:
     """One engine's command; on a GPU the engines share its memory (``GPU_MEMORY`` of it)."""
-    command = [python, str(checkpoint), "--label", label, "--mode", args.mode,
-               "--dtype", args.dtype, "--workloads", *args.workloads,
-               "--gpu-memory-utilization", f"{GPU_MEMORY / engines:.3f}"]  # fmt: skip
+    command = [
+        python,
+        str(checkpoint),
+        "--label",
+        label,
+        "--mode",
+        args.mode,
+        "--dtype",
+        args.dtype,
+        "--workloads",
+        *args.workloads,
+        "--gpu-memory-utilization",
+        f"{GPU_MEMORY / engines:.3f}",
+    ]
     return command + (["--enforce-eager"] if args.enforce_eager else [])
 
 
@@ -143,8 +158,7 @@ def write_report(args, payload: dict) -> str:
 
 def run(args, python: str, payload: dict) -> None:
     with tempfile.TemporaryDirectory() as root:
-        paths = build_checkpoints(Path(root), args.shape, args.layers, args.dtype,
-                                  args.sparsity)  # fmt: skip
+        paths = build_checkpoints(Path(root), args.shape, args.layers, args.dtype, args.sparsity)
         # the model the checkpoints came from is gone: its freed heap goes back to the OS
         # before the engines load (7B-shaped, 4 layers: 1.01 -> 0.53 GiB resident; with 16
         # layers this process had held 2.9 GiB beside the three engines)
@@ -182,11 +196,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--workloads", nargs="+", default=["decode:1x64"])
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--settle", type=float, default=1.0,
-                        help="seconds between two runs")  # fmt: skip
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds between two runs")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds an engine may take to load or to answer")  # fmt: skip
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds an engine may take to load or to answer",
+    )
     parser.add_argument("--python", default=None, help="the serving environment's Python")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="vllm_paired", help="the report's file name stem")
@@ -194,8 +211,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_workloads(parser, args.workloads)
     check_serving_sparsities(parser, args.sparsity)
     if args.layers < 1 or args.rounds < 1 or args.settle < 0 or args.timeout <= 0:
-        parser.error("--layers and --rounds must be at least 1, --settle at least 0, "
-                     "--timeout above 0")  # fmt: skip
+        parser.error(
+            "--layers and --rounds must be at least 1, --settle at least 0, --timeout above 0"
+        )
     return args
 
 
@@ -204,8 +222,12 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     python = str(serving_python(args.python))
-    payload = {"config": vars(args) | {"out": str(args.out), "python": python},
-               "cpu": cpu_line(), "engines": {}, "runs": {}}  # fmt: skip
+    payload = {
+        "config": vars(args) | {"out": str(args.out), "python": python},
+        "cpu": cpu_line(),
+        "engines": {},
+        "runs": {},
+    }
     try:
         run(args, python, payload)
     except RuntimeError as error:

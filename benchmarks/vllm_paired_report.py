@@ -24,9 +24,12 @@ def summarise(payload: dict) -> dict:
     dense = loaded.get("dense", {})
     results = {}
     for label, result in loaded.items():
-        results[label] = {"weights": result.get("weights", {}).get("ratio"),
-                          "rss_after_load": result.get("rss_after_load"),
-                          **rss_saved(dense, result), "workloads": {}}  # fmt: skip
+        results[label] = {
+            "weights": result.get("weights", {}).get("ratio"),
+            "rss_after_load": result.get("rss_after_load"),
+            **rss_saved(dense, result),
+            "workloads": {},
+        }
     for workload, runs in payload["runs"].items():
         for label, rates in runs.items():
             if not rates:
@@ -59,9 +62,13 @@ def markdown(payload: dict) -> str:
     if "error" in payload:
         lines += ["", f"**Stopped:** {payload['error'].splitlines()[0]}"]
     workloads = list(payload["runs"])
-    lines += ["", "| engine | weights | RSS after load (GiB) | RSS saved | RSS saved, trimmed | "
-              + " | ".join(f"{w}: tokens/s | ratio (lowest–highest)" for w in workloads) + " |",
-              "|---|---|---|---|---|" + "---|---|" * len(workloads)]  # fmt: skip
+    lines += [
+        "",
+        "| engine | weights | RSS after load (GiB) | RSS saved | RSS saved, trimmed | "
+        + " | ".join(f"{w}: tokens/s | ratio (lowest–highest)" for w in workloads)
+        + " |",
+        "|---|---|---|---|---|" + "---|---|" * len(workloads),
+    ]
     for label, result in results.items():
         cells = [
             number(result["weights"], "×"),
@@ -72,8 +79,11 @@ def markdown(payload: dict) -> str:
         for workload in workloads:
             cell = result["workloads"].get(workload, {})
             cells.append(number(cell.get("tokens_per_s"), "", 1, ".1f"))
-            cells.append(f"**{cell['ratio']:.2f}×** ({cell['lowest']:.2f}–{cell['highest']:.2f})"
-                         if "ratio" in cell else "–")  # fmt: skip
+            cells.append(
+                f"**{cell['ratio']:.2f}×** ({cell['lowest']:.2f}–{cell['highest']:.2f})"
+                if "ratio" in cell
+                else "–"
+            )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for workload in workloads:
         lines += rounds_table(workload, results)
@@ -84,9 +94,13 @@ def rounds_table(workload: str, results: dict) -> list[str]:
     """Every round of ``workload``: dense's tokens/s and each engine's ratio."""
     labels = [label for label in results if label != "dense"]
     dense = results.get("dense", {}).get("workloads", {}).get(workload, {}).get("rounds", [])
-    lines = ["", f"## {workload}, round by round", "",
-             "| round | dense tokens/s | " + " | ".join(labels) + " |",
-             "|---|---|" + "---|" * len(labels)]  # fmt: skip
+    lines = [
+        "",
+        f"## {workload}, round by round",
+        "",
+        "| round | dense tokens/s | " + " | ".join(labels) + " |",
+        "|---|---|" + "---|" * len(labels),
+    ]
     for index, rate in enumerate(dense):
         ratios = []
         for label in labels:

@@ -55,8 +55,9 @@ ENGINE = Path(__file__).with_name("vllm_engine.py")
 ENGINE_TIMEOUT = 900  # seconds: start (compile and graph capture) and every workload
 
 
-def build_checkpoints(root: Path, shape: str, layers: int, dtype: str,
-                      sparsities: list[str]) -> dict[str, Path]:  # fmt: skip
+def build_checkpoints(
+    root: Path, shape: str, layers: int, dtype: str, sparsities: list[str]
+) -> dict[str, Path]:
     """The dense checkpoint (a random model pruned 2:4 by magnitude, zeros stored) and, per
     sparsity, the compressed one: ``2:4`` that model in the 2:4 layout; an unstructured
     sparsity the same model with new random values pruned by magnitude, layer by layer, in
@@ -78,18 +79,34 @@ def build_checkpoints(root: Path, shape: str, layers: int, dtype: str,
             with torch.no_grad():
                 for name in targets:
                     weight = model.get_submodule(name).weight
-                    weight.copy_(prune_unstructured(torch.randn_like(weight) * 0.02,
-                                                    float(sparsity)))  # fmt: skip
+                    weight.copy_(
+                        prune_unstructured(torch.randn_like(weight) * 0.02, float(sparsity))
+                    )
         model.save_pretrained(paths[label])
         write_compressed(paths[label], *((targets, []) if sparsity == "2:4" else ([], targets)))
     return paths
 
 
-def engine_command(python: str, checkpoint: Path, label: str, mode: str, capture: int,
-                   args, out: Path) -> list[str]:  # fmt: skip
-    command = [python, str(ENGINE), str(checkpoint), "--label", label, "--mode", mode,
-               "--dtype", args.dtype, "--repeats", str(args.repeats), "--out", str(out),
-               "--workloads", *args.workloads]  # fmt: skip
+def engine_command(
+    python: str, checkpoint: Path, label: str, mode: str, capture: int, args, out: Path
+) -> list[str]:
+    command = [
+        python,
+        str(ENGINE),
+        str(checkpoint),
+        "--label",
+        label,
+        "--mode",
+        mode,
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+        "--out",
+        str(out),
+        "--workloads",
+        *args.workloads,
+    ]
     if capture:
         command += ["--max-cudagraph-capture-size", str(capture)]
     if args.max_num_batched_tokens:
@@ -107,14 +124,19 @@ def run_engine(command: list[str], out: Path, timeout: float) -> dict:
 
     print("+ " + " ".join(command), flush=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              env=serving_env())  # fmt: skip
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=serving_env()
+        )
     except subprocess.TimeoutExpired as expired:
-        return {"error": f"stopped after {timeout:.0f} s",
-                "tail": last_lines(expired.stdout, expired.stderr)}  # fmt: skip
+        return {
+            "error": f"stopped after {timeout:.0f} s",
+            "tail": last_lines(expired.stdout, expired.stderr),
+        }
     if done.returncode != 0 or not out.is_file():
-        return {"error": exit_description(done.returncode),
-                "tail": last_lines(done.stdout, done.stderr)}  # fmt: skip
+        return {
+            "error": exit_description(done.returncode),
+            "tail": last_lines(done.stdout, done.stderr),
+        }
     return json.loads(out.read_text())
 
 
@@ -124,13 +146,14 @@ def compare(args, python: str, payload: dict) -> None:
     that a run stopped at a time limit keeps what ran before."""
     engines = payload["engines"]
     with tempfile.TemporaryDirectory() as root:
-        paths = build_checkpoints(Path(root), args.shape, args.layers, args.dtype,
-                                  args.sparsity)  # fmt: skip
+        paths = build_checkpoints(Path(root), args.shape, args.layers, args.dtype, args.sparsity)
         for capture in args.capture_sizes:
             runs = [("dense", paths["dense"], "auto")] + [
                 (f"{label} {mode}", path, mode)
-                for label, path in paths.items() if label != "dense" for mode in args.modes
-            ]  # fmt: skip
+                for label, path in paths.items()
+                if label != "dense"
+                for mode in args.modes
+            ]
             for _ in range(args.rounds):
                 for label, checkpoint, mode in runs:
                     out = Path(root, f"{label.replace(' ', '-')}-{capture}.json")

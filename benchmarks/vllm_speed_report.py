@@ -39,8 +39,7 @@ def summary(entry: dict) -> dict:
     result["workloads"] = {}
     for workload in rounds[0]["workloads"]:
         rates = [r["workloads"][workload]["tokens_per_s"] for r in rounds]
-        result["workloads"][workload] = {"tokens_per_s": statistics.median(rates),
-                                         "rounds": rates}  # fmt: skip
+        result["workloads"][workload] = {"tokens_per_s": statistics.median(rates), "rounds": rates}
     return result
 
 
@@ -105,29 +104,40 @@ def markdown(payload: dict) -> str:
     for key, result in engines.items():
         label, capture = key.rsplit("@", 1)
         if "error" in result:
-            lines.append(f"| {label} | {capture} | failed: {result['error']} | | | |"
-                         + " |" * len(workloads))  # fmt: skip
+            lines.append(
+                f"| {label} | {capture} | failed: {result['error']} | | | |" + " |" * len(workloads)
+            )
             continue
         ratio = result["weights"].get("ratio")
         cells = []
         for workload in workloads:
             cell = result["workloads"][workload]
             rate = f"{cell['tokens_per_s']:,.0f}"
-            cells.append(rate if cell["ratio"] is None or label == "dense"
-                         else f"{rate} ({cell['ratio']:.2f}×)")  # fmt: skip
+            cells.append(
+                rate
+                if cell["ratio"] is None or label == "dense"
+                else f"{rate} ({cell['ratio']:.2f}×)"
+            )
         weights = f"{ratio:.2f}×" if ratio is not None else "–"
         if result["weights"].get("packed_layers"):
             weights = "packed by vLLM's CPU GEMM"
         graphs = result["graphs"]
         compiled = graphs.get("compilation_mode", "NONE") != "NONE"
-        steps = (f"{graphs['max_cudagraph_capture_size'] or ('compiled' if compiled else 'eager')}"
-                 f" / {graphs['max_num_batched_tokens']}")  # fmt: skip
+        steps = (
+            f"{graphs['max_cudagraph_capture_size'] or ('compiled' if compiled else 'eager')}"
+            f" / {graphs['max_num_batched_tokens']}"
+        )
         rss = result.get("rss_after_load")
         rss = "–" if rss is None else f"{rss / 2**30:.2f}"
-        saved = " | ".join("–" if result.get(key) is None else f"{result[key]:.2f}×"
-                           for key in ("rss_saved", "rss_saved_trimmed"))  # fmt: skip
-        lines.append(f"| {label} | {capture} | {steps} | {weights} | {rss} | {saved} | "
-                     + " | ".join(cells) + " |")  # fmt: skip
+        saved = " | ".join(
+            "–" if result.get(key) is None else f"{result[key]:.2f}×"
+            for key in ("rss_saved", "rss_saved_trimmed")
+        )
+        lines.append(
+            f"| {label} | {capture} | {steps} | {weights} | {rss} | {saved} | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines += profile_markdown(engines)
     return "\n".join(lines) + "\n"
 
@@ -136,13 +146,18 @@ def profile_markdown(engines: dict) -> list[str]:
     lines = []
     for key, result in engines.items():
         for workload, profile in result.get("profiles", {}).items():
-            lines += ["", f"## Profile: {key}, {workload}", "",
-                      "| op | calls | self CPU (ms) | self device (ms) |",
-                      "|---|---|---|---|"]  # fmt: skip
+            lines += [
+                "",
+                f"## Profile: {key}, {workload}",
+                "",
+                "| op | calls | self CPU (ms) | self device (ms) |",
+                "|---|---|---|---|",
+            ]
             for row in profile["top"]:
                 cpu_ms, device_ms = row["self_cpu_us"] / 1e3, row["self_device_us"] / 1e3
-                lines.append(f"| `{row['op'][:80]}` | {row['calls']} | {cpu_ms:.2f} | "
-                             f"{device_ms:.2f} |")  # fmt: skip
+                lines.append(
+                    f"| `{row['op'][:80]}` | {row['calls']} | {cpu_ms:.2f} | {device_ms:.2f} |"
+                )
             for name, entry in profile["watched"].items():
                 per_call = entry["cpu_us_per_call"]
                 per_call = "-" if per_call is None else f"{per_call:.1f}"

@@ -24,10 +24,23 @@ from whisper_sparse.driver import Server
 output_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()) / "ckpt"
 model = ["--model", sys.argv[2]] if len(sys.argv) > 2 else []  # default: the embedded model
 # 1. prune + quantize (calibration: 16 x 256 tokens of the embedded text)
-status = whisper_prune([
-    *model, "--recipe", "whisper_2of4_w8a8", "--output-dir", str(output_dir), "--overwrite",
-    "--num-sequences", "16", "--seq-len", "256", "--eval-windows", "2", "--skip-dense-eval",
-])  # fmt: skip
+status = whisper_prune(
+    [
+        *model,
+        "--recipe",
+        "whisper_2of4_w8a8",
+        "--output-dir",
+        str(output_dir),
+        "--overwrite",
+        "--num-sequences",
+        "16",
+        "--seq-len",
+        "256",
+        "--eval-windows",
+        "2",
+        "--skip-dense-eval",
+    ]
+)
 if status:
     sys.exit(status)
 # 2. serve, 3. request, 4. stop (on leaving the block)

@@ -42,9 +42,15 @@ def pytest_configure(config):
 # two workers) each runs whole on one worker, so that its fixture is built once, and they
 # start first; every other test goes wherever a worker is free. (xdist's own
 # ``--dist loadgroup`` renames node ids, which pytest 9.2 ignores.)
-GROUPED_MODULES = ("test_serving.py", "test_distributed.py", "test_families.py",
-                   "test_recipes.py", "test_safety.py", "test_moe_pairs.py",
-                   "test_unstructured.py")  # fmt: skip
+GROUPED_MODULES = (
+    "test_serving.py",
+    "test_distributed.py",
+    "test_families.py",
+    "test_recipes.py",
+    "test_safety.py",
+    "test_moe_pairs.py",
+    "test_unstructured.py",
+)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -65,8 +71,10 @@ def pytest_collection_modifyitems(config, items):
         definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         shared = any(defs and defs[-1].scope == "module" for defs in definitions.values())
         if shared and item.path.name not in GROUPED_MODULES:
-            raise pytest.UsageError(f"{item.path.name} has a module-scoped fixture: add it "
-                                    "to GROUPED_MODULES in tests/conftest.py")  # fmt: skip
+            raise pytest.UsageError(
+                f"{item.path.name} has a module-scoped fixture: add it "
+                "to GROUPED_MODULES in tests/conftest.py"
+            )
     rank = {name: index for index, name in enumerate(GROUPED_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
@@ -190,18 +198,24 @@ def group_32_recipe(directory: Path, stem: str) -> Path:
     whisper-prune refuses); its 172-input down_proj stays in 16-bit."""
     recipe = directory / f"{stem}_g32.yaml"
     text = (RECIPES / f"{stem}.yaml").read_text()
-    ignore = ("ignore: [\"lm_head\", 're:.*mlp\\.gate$', 're:.*router(\\.layer)?$', "
-              "'re:.*_expert_gate$']")  # fmt: skip
+    ignore = (
+        "ignore: [\"lm_head\", 're:.*mlp\\.gate$', 're:.*router(\\.layer)?$', 're:.*_expert_gate$']"
+    )
     old = f"      scheme: W4A16\n      {ignore}"
     assert old in text, stem
-    recipe.write_text(text.replace(old, (
-        '      ignore: ["lm_head", "re:.*down_proj$"]\n'
-        "      config_groups:\n"
-        "        group_0:\n"
-        '          targets: ["Linear"]\n'
-        "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group,"
-        " group_size: 32}"
-    )))  # fmt: skip
+    recipe.write_text(
+        text.replace(
+            old,
+            (
+                '      ignore: ["lm_head", "re:.*down_proj$"]\n'
+                "      config_groups:\n"
+                "        group_0:\n"
+                '          targets: ["Linear"]\n'
+                "          weights: {num_bits: 4, type: int, symmetric: true, strategy: group,"
+                " group_size: 32}"
+            ),
+        )
+    )
     return recipe
 
 

@@ -31,8 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR  # noqa: E402
 
-METHODS = ("wisp", "wisp_plus", "whisper", "sparsegpt", "wanda", "whisper:gamma=auto",
-           "wisp:gamma=auto;gamma_folds=4")  # fmt: skip
+METHODS = (
+    "wisp",
+    "wisp_plus",
+    "whisper",
+    "sparsegpt",
+    "wanda",
+    "whisper:gamma=auto",
+    "wisp:gamma=auto;gamma_folds=4",
+)
 """Methods, with modifier fields after a colon (``name=value`` joined by ``;``)."""
 SPARSITIES = (("2:4", 0.5, "2:4"), ("0.5", 0.5, "0:0"))
 
@@ -45,8 +52,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--pipeline", help="oneshot's calibration pipeline (default: its own)")
     parser.add_argument("--attention", default="eager", help="the model's attn_implementation")
-    parser.add_argument("--layerwise-attention", choices=("auto", "model"),
-                        help="$WHISPER_LAYERWISE_ATTENTION for this run")  # fmt: skip
+    parser.add_argument(
+        "--layerwise-attention",
+        choices=("auto", "model"),
+        help="$WHISPER_LAYERWISE_ATTENTION for this run",
+    )
     parser.add_argument("--slow-rank", type=int, help="a rank to hold back (module docstring)")
     return parser
 
@@ -101,8 +111,9 @@ def prune_every_method(args) -> dict:
             recipe = build_recipe(name, sparsity, structure, seed=0, **options)
             pipeline = {"pipeline": args.pipeline} if args.pipeline else {}
             with recorded_pairs() as pairs:
-                run_oneshot(model, tokenizer, dataset, recipe, batch_size=args.batch_size,
-                            **pipeline)  # fmt: skip
+                run_oneshot(
+                    model, tokenizer, dataset, recipe, batch_size=args.batch_size, **pipeline
+                )
             everyone = [None] * distributed.world_size()
             if distributed.is_distributed():
                 dist.all_gather_object(everyone, pairs)
@@ -110,16 +121,19 @@ def prune_every_method(args) -> dict:
                 everyone = [pairs]
             selection = getattr(recipe[0], "gamma_selection", dict)()
             results[f"{method}/{label}"] = {
-                "masks": {name: module.weight.detach() != 0
-                          for name, module in model.named_modules()
-                          if isinstance(module, torch.nn.Linear)},
+                "masks": {
+                    name: module.weight.detach() != 0
+                    for name, module in model.named_modules()
+                    if isinstance(module, torch.nn.Linear)
+                },
                 "pairs": {key: value for part in everyone for key, value in part.items()},
                 "pairs_per_rank": [len(part) for part in everyone],
                 "perplexity": perplexity(model, heldout, 64, 8),
                 "gamma": {name: choice["gamma"] for name, choice in selection.items()},
-                "model_checks": {name: choice.get("model_check")
-                                 for name, choice in selection.items()},
-            }  # fmt: skip
+                "model_checks": {
+                    name: choice.get("model_check") for name, choice in selection.items()
+                },
+            }
     return results
 
 
@@ -173,7 +187,9 @@ def held_back(here: bool):
         yield
     finally:
         model_check.ModelCheck.defer_choice, model_check.sequence_losses = (
-            defer_choice, sequence_losses)  # fmt: skip
+            defer_choice,
+            sequence_losses,
+        )
 
 
 if __name__ == "__main__":

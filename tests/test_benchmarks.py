@@ -18,9 +18,24 @@ import quality_report  # noqa: E402
 
 
 def test_quality_benchmark_writes_tables_and_plots(tmp_path):
-    argv = ["--models", "stories260K", "--methods", "wanda", "wisp", "--seeds", "2",
-            "--sparsities", "2:4", "0.5", "--num-sequences", "4", "--seq-len", "64",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--models",
+        "stories260K",
+        "--methods",
+        "wanda",
+        "wisp",
+        "--seeds",
+        "2",
+        "--sparsities",
+        "2:4",
+        "0.5",
+        "--num-sequences",
+        "4",
+        "--seq-len",
+        "64",
+        "--out",
+        str(tmp_path),
+    ]
     assert quality.main(argv) == 0
     results = json.loads((tmp_path / "quality.json").read_text())
     entry = results["models"]["stories260K"]
@@ -40,10 +55,27 @@ def test_gamma_auto_table_and_plot(tmp_path):
     """Issue 14's table on a smoke protocol: auto variants beside their baselines, the
     never-worse comparison, and the chosen gamma per layer."""
     threads = torch.get_num_threads()  # recorded with each run (and left as it is)
-    argv = ["--gamma-auto", "--models", "stories260K", "--methods", "sparsegpt",
-            "whisper:gamma=auto", "whisper", "--seeds", "2", "--sparsities", "2:4",
-            "--num-sequences", "8", "--seq-len", "64", "--threads", str(threads),
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--gamma-auto",
+        "--models",
+        "stories260K",
+        "--methods",
+        "sparsegpt",
+        "whisper:gamma=auto",
+        "whisper",
+        "--seeds",
+        "2",
+        "--sparsities",
+        "2:4",
+        "--num-sequences",
+        "8",
+        "--seq-len",
+        "64",
+        "--threads",
+        str(threads),
+        "--out",
+        str(tmp_path),
+    ]
     assert quality.main(argv) == 0
     entry = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]
     auto = entry["runs"]["2:4"]["whisper:gamma=auto"]
@@ -65,8 +97,11 @@ def test_gamma_auto_table_and_plot(tmp_path):
     assert row["seed_ratios"] == {seed: seeds[seed] / baseline_seeds[seed] for seed in (0, 1)}
     assert row["worst_seed_ratio"] == max(row["seed_ratios"].values())
     assert row["threads"] == [threads]  # every run compared was made at --threads
-    assert all(run["selection"][name]["gamma"] == gamma
-               for run in auto["runs"] for name, gamma in run["gamma"].items())  # fmt: skip
+    assert all(
+        run["selection"][name]["gamma"] == gamma
+        for run in auto["runs"]
+        for name, gamma in run["gamma"].items()
+    )
     table = (tmp_path / "quality.md").read_text()
     assert "| 2:4 | whisper:gamma=auto | sparsegpt |" in table
     assert f"| 2:4 | whisper:gamma=auto | {row['seed_ratios'][0]:.3f} |" in table
@@ -79,15 +114,29 @@ def test_run_cache_skips_runs_already_done(tmp_path, monkeypatch):
     import variant_runs
 
     cache = tmp_path / "runs.json"
-    argv = ["--models", "stories260K", "--seeds", "2", "--num-sequences", "4", "--seq-len", "64",
-            "--cache", str(cache), "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--models",
+        "stories260K",
+        "--seeds",
+        "2",
+        "--num-sequences",
+        "4",
+        "--seq-len",
+        "64",
+        "--cache",
+        str(cache),
+        "--out",
+        str(tmp_path),
+    ]
     # num_permutations=1 is the default: the same recipe, so the same two runs
     assert quality.main([*argv, "--methods", "wisp", "wisp:num_permutations=1"]) == 0
     runs = json.loads(cache.read_text())
     assert len(runs) == 3  # two seeds and the dense model
     (dense,) = [run for run in runs.values() if "seed" not in run]
-    assert dense["perplexity"] == json.loads((tmp_path / "quality.json").read_text())[
-        "models"]["stories260K"]["dense"]  # fmt: skip
+    assert (
+        dense["perplexity"]
+        == json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["dense"]
+    )
     first = json.loads((tmp_path / "quality.json").read_text())["models"]["stories260K"]["runs"]
     assert first["2:4"]["wisp"] == first["2:4"]["wisp:num_permutations=1"]
 
@@ -117,9 +166,24 @@ def test_eval_windows_are_one_for_all_models_or_one_per_model(capsys):
 def test_speed_benchmark_reports_centered_ratios(tmp_path):
     import speed
 
-    argv = ["--models", "stories260K", "--pairs", "main", "centered", "--repeats", "1",
-            "--only", "wisp:pairing=centered", "whisper:pairing=centered",
-            "--num-sequences", "4", "--seq-len", "64", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--models",
+        "stories260K",
+        "--pairs",
+        "main",
+        "centered",
+        "--repeats",
+        "1",
+        "--only",
+        "wisp:pairing=centered",
+        "whisper:pairing=centered",
+        "--num-sequences",
+        "4",
+        "--seq-len",
+        "64",
+        "--out",
+        str(tmp_path),
+    ]
     assert speed.main(argv) == 0
     rows = json.loads((tmp_path / "speed.json").read_text())["models"]["stories260K"]["ratios"]
     assert [r["method"] for r in rows] == ["wisp:pairing=centered", "whisper:pairing=centered"]
@@ -157,16 +221,25 @@ def test_random_layer_speed_keeps_the_rows_measured_before_a_stop(tmp_path, monk
     def measure(args, method, offload_device, batch_size, pipeline):
         if method == "wisp":
             raise KeyboardInterrupt  # the limit's kill
-        return {"method": method, "pipeline": pipeline, "offload_device": offload_device,
-                "batch_size": batch_size, "seconds": 3.0, "seconds_per_layer": 1.5,
-                "layer_target": 1.6, "peak_bytes": 2**30}  # fmt: skip
+        return {
+            "method": method,
+            "pipeline": pipeline,
+            "offload_device": offload_device,
+            "batch_size": batch_size,
+            "seconds": 3.0,
+            "seconds_per_layer": 1.5,
+            "layer_target": 1.6,
+            "peak_bytes": 2**30,
+        }
 
     monkeypatch.setattr(speed_random, "measure_random", measure)
     with pytest.raises(KeyboardInterrupt):
         speed.main(["--random-layers", "2", "--methods", "wanda", "wisp", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "speed_random.json").read_text())["rows"]
     assert [(r["method"], r["pipeline"]) for r in rows] == [
-        ("wanda", "sequential"), ("wanda", "whisper_layerwise")]  # fmt: skip
+        ("wanda", "sequential"),
+        ("wanda", "whisper_layerwise"),
+    ]
     table = (tmp_path / "speed_random.md").read_text()
     # no reference in this run: its two columns are empty
     row = "| wanda | whisper_layerwise | cuda | 1 | 3.0 | 1.50 | ≤ 1.6 ✓ | - | - | 0.8 | 1.0 |"
@@ -191,8 +264,12 @@ def test_sparsity_benchmarks_refuse_a_bad_sparsity_before_any_work(bad, capsys):
         vllm_speed.parse_args(["--sparsity", "2:4", bad])
     with pytest.raises(SystemExit):
         cpu_sparse_op.main(["--sparsity", bad])
-    assert capsys.readouterr().err.count(f"--sparsity takes 2:4 or a fraction between 0 and 1, "
-                                         f"not {bad!r}") == 2  # fmt: skip
+    assert (
+        capsys.readouterr().err.count(
+            f"--sparsity takes 2:4 or a fraction between 0 and 1, not {bad!r}"
+        )
+        == 2
+    )
 
 
 def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
@@ -206,20 +283,37 @@ def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
     monkeypatch.setattr(cpu_sparse_op, "SHAPES", {"7B": {"o": (64, 256)}})
-    argv = ["--sparsity", "2:4", "0.5", "0.7", "--tokens", "1", "4", "--repeats", "1",
-            "--working-set", "1", "--dtype", "float32", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--sparsity",
+        "2:4",
+        "0.5",
+        "0.7",
+        "--tokens",
+        "1",
+        "4",
+        "--repeats",
+        "1",
+        "--working-set",
+        "1",
+        "--dtype",
+        "float32",
+        "--out",
+        str(tmp_path),
+    ]
     assert cpu_sparse_op.main(argv) == 0
     stem = tmp_path / f"cpu_sparse-{cpu_isa()}"
     payload = json.loads(stem.with_suffix(".json").read_text())
     assert list(payload["sparsities"]) == ["2:4", "0.5", "0.7"]
-    bytes_ratio = {s: e["shapes"]["7B/o"][0]["op_bytes_ratio"]
-                   for s, e in payload["sparsities"].items()}  # fmt: skip
+    bytes_ratio = {
+        s: e["shapes"]["7B/o"][0]["op_bytes_ratio"] for s, e in payload["sparsities"].items()
+    }
     # float32: 2:4 keeps half the values plus a bit per input; the bitmask layout the kept
     # values, a bit per input and an 8-byte offset per row
     assert bytes_ratio["2:4"] == pytest.approx(0.5 + 1 / 32)
     for sparsity in ("0.5", "0.7"):
-        assert bytes_ratio[sparsity] == pytest.approx(1 - float(sparsity) + 1 / 32 + 8 / 1024,
-                                                      abs=0.02)  # fmt: skip
+        assert bytes_ratio[sparsity] == pytest.approx(
+            1 - float(sparsity) + 1 / 32 + 8 / 1024, abs=0.02
+        )
         rows = payload["sparsities"][sparsity]["shapes"]["7B/o"]
         assert [row["tokens"] for row in rows] == [1, 4]
         assert all(row["ratio"] > 0 and "gemm" not in row["seconds"] for row in rows)
@@ -240,8 +334,24 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
     monkeypatch.setattr(cpu_token_pass, "SHAPES", {"7B": {"qkv": (96, 64), "o": (32, 64)}})
-    argv = ["--layers", "2", "--sparsity", "2:4", "0.5", "--tokens", "1", "3", "--dtype",
-            "float32", "--rounds", "3", "--out", str(tmp_path), "--name", "pass"]  # fmt: skip
+    argv = [
+        "--layers",
+        "2",
+        "--sparsity",
+        "2:4",
+        "0.5",
+        "--tokens",
+        "1",
+        "3",
+        "--dtype",
+        "float32",
+        "--rounds",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "pass",
+    ]
     args = cpu_token_pass.parse_args(argv)
     passes, weight_bytes, baseline = cpu_token_pass.model_sides(args, torch.float32)
     assert list(passes) == ["dense", "2:4", "50%"]
@@ -255,7 +365,8 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
     assert weight_bytes["dense"] == 2 * (96 + 32) * 64 * 4
     assert weight_bytes["2:4"] == 2 * (96 + 32) * (32 * 4 + 8)
     with_rows, rows_bytes, _ = cpu_token_pass.model_sides(
-        cpu_token_pass.parse_args([*argv, "--rows"]), torch.bfloat16)  # fmt: skip
+        cpu_token_pass.parse_args([*argv, "--rows"]), torch.bfloat16
+    )
     assert list(with_rows) == ["dense", "2:4", "50%", "50% rows"]  # the rows beside the served
     assert rows_bytes["50% rows"] == rows_bytes["50%"]
     x = torch.randn(3, 64).to(torch.bfloat16)
@@ -305,8 +416,9 @@ def test_the_cpu_op_benchmark_runs_without_the_serving_driver():
         "import sys; sys.modules['loguru'] = sys.modules['llmcompressor'] = None; "
         "sys.path.insert(0, 'benchmarks'); import cpu_sparse_op; print(cpu_sparse_op.cpu_line())"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "threads; op kernels" in done.stdout
 
@@ -324,14 +436,28 @@ def test_cpu_op_benchmark_caps_the_op_and_dense_alike(tmp_path):
 
     if cpu_kernels_unavailable():
         pytest.skip(cpu_kernels_unavailable())
-    argv = ["--isa", "avx2", "--tokens", "1", "4", "--repeats", "1", "--working-set", "1",
-            "--out", str(tmp_path)]  # fmt: skip
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import cpu_sparse_op; "
-            "cpu_sparse_op.SHAPES = {'7B': {'o': (64, 256)}}; "
-            f"sys.exit(cpu_sparse_op.main({argv!r}))")  # fmt: skip
+    argv = [
+        "--isa",
+        "avx2",
+        "--tokens",
+        "1",
+        "4",
+        "--repeats",
+        "1",
+        "--working-set",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import cpu_sparse_op; "
+        "cpu_sparse_op.SHAPES = {'7B': {'o': (64, 256)}}; "
+        f"sys.exit(cpu_sparse_op.main({argv!r}))"
+    )
     env = os.environ | cpu_sparse_op.DENSE_CAPS["avx2"]
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     own = cpu_isa()
     stem = "cpu_sparse24-avx2" + ("" if own == "avx2" else f"-capped-on-{own}")
@@ -412,14 +538,18 @@ def test_profile_watches_the_cpu_op():
     assert "_cslt_sparse_mm" not in watched
 
 
-def engine_result(tokens_per_s: float, rss_gib: float, dense_bytes: int = 0,
-                  trimmed_gib: float | None = None) -> dict:  # fmt: skip
-    return {"device": "H100", "weights": {"ratio": None, "packed_layers": 0,
-                                          "dense_bytes": dense_bytes},
-            "graphs": {"max_cudagraph_capture_size": 2048, "max_num_batched_tokens": 8192},
-            "workloads": {"decode:2x8": {"tokens_per_s": tokens_per_s, "seconds": [0.16]}},
-            "profiles": {}, "rss_after_load": rss_gib * 2**30,
-            "rss_after_load_trimmed": trimmed_gib and trimmed_gib * 2**30}  # fmt: skip
+def engine_result(
+    tokens_per_s: float, rss_gib: float, dense_bytes: int = 0, trimmed_gib: float | None = None
+) -> dict:
+    return {
+        "device": "H100",
+        "weights": {"ratio": None, "packed_layers": 0, "dense_bytes": dense_bytes},
+        "graphs": {"max_cudagraph_capture_size": 2048, "max_num_batched_tokens": 8192},
+        "workloads": {"decode:2x8": {"tokens_per_s": tokens_per_s, "seconds": [0.16]}},
+        "profiles": {},
+        "rss_after_load": rss_gib * 2**30,
+        "rss_after_load_trimmed": trimmed_gib and trimmed_gib * 2**30,
+    }
 
 
 def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
@@ -434,14 +564,31 @@ def test_vllm_speed_reports_each_engine_as_it_finishes(tmp_path, monkeypatch):
         return engine_result(100.0, 3)
 
     monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
-    argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--modes", "sparse",
-            "--capture-sizes", "2048", "--workloads", "decode:2x8", "--python", sys.executable,
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--shape",
+        "tiny",
+        "--layers",
+        "1",
+        "--dtype",
+        "float32",
+        "--modes",
+        "sparse",
+        "--capture-sizes",
+        "2048",
+        "--workloads",
+        "decode:2x8",
+        "--python",
+        sys.executable,
+        "--out",
+        str(tmp_path),
+    ]
     with pytest.raises(KeyboardInterrupt):
         vllm_speed.main(argv)
     results = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]
-    assert list(results) == ["dense@2048"] and results["dense@2048"]["workloads"]["decode:2x8"][
-        "ratio"] == 1.0  # fmt: skip
+    assert (
+        list(results) == ["dense@2048"]
+        and results["dense@2048"]["workloads"]["decode:2x8"]["ratio"] == 1.0
+    )
     table = (tmp_path / "vllm_speed.md").read_text()
     assert "| dense | 2048 | 2048 / 8192 | – | 3.00 | – | – | 100 |" in table
 
@@ -459,12 +606,25 @@ def test_vllm_speed_alternates_the_engines_and_takes_medians(tmp_path, monkeypat
         label = command[command.index("--label") + 1].split()[0]
         order.append(label)
         dense = label == "dense"
-        return engine_result(next(rates[label]), 3.0 if dense else 2.5, 2**30,
-                             2.75 if dense else 2.5)  # fmt: skip
+        return engine_result(
+            next(rates[label]), 3.0 if dense else 2.5, 2**30, 2.75 if dense else 2.5
+        )
 
     monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
-    argv = ["--shape", "tiny", "--layers", "1", "--modes", "sparse", "--workloads",
-            "decode:2x8", "--python", sys.executable, "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--shape",
+        "tiny",
+        "--layers",
+        "1",
+        "--modes",
+        "sparse",
+        "--workloads",
+        "decode:2x8",
+        "--python",
+        sys.executable,
+        "--out",
+        str(tmp_path),
+    ]
     assert vllm_speed.main(argv) == 0
     assert order == ["dense", "2:4"] * 3
     results = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]
@@ -479,8 +639,9 @@ def test_vllm_speed_alternates_the_engines_and_takes_medians(tmp_path, monkeypat
     ("flag", "mode", "shown"),
     [([], "DYNAMO_TRACE_ONCE", "compiled"), (["--enforce-eager"], "NONE", "eager")],
 )
-def test_vllm_speed_runs_the_engines_as_vllm_does_unless_told_eager(tmp_path, monkeypatch, flag,
-                                                                    mode, shown):  # fmt: skip
+def test_vllm_speed_runs_the_engines_as_vllm_does_unless_told_eager(
+    tmp_path, monkeypatch, flag, mode, shown
+):
     """By default each engine runs as vLLM runs it (on a CPU: compiled by torch.compile, no
     enforce_eager); ``--enforce-eager`` runs them all eagerly; the table says which."""
     import vllm_speed
@@ -492,13 +653,31 @@ def test_vllm_speed_runs_the_engines_as_vllm_does_unless_told_eager(tmp_path, mo
         engine = engine_arguments(options, [Workload.parse("decode:2x8")], on_gpu=False)
         assert engine["enforce_eager"] is bool(flag)
         result = engine_result(100.0, 3)
-        result["graphs"] = {"max_cudagraph_capture_size": None, "max_num_batched_tokens": 80,
-                            "compilation_mode": mode}  # fmt: skip
+        result["graphs"] = {
+            "max_cudagraph_capture_size": None,
+            "max_num_batched_tokens": 80,
+            "compilation_mode": mode,
+        }
         return result
 
     monkeypatch.setattr(vllm_speed, "run_engine", run_engine)
-    argv = ["--shape", "tiny", "--layers", "1", "--modes", "sparse", "--workloads", "decode:2x8",
-            "--rounds", "1", "--python", sys.executable, "--out", str(tmp_path), *flag]  # fmt: skip
+    argv = [
+        "--shape",
+        "tiny",
+        "--layers",
+        "1",
+        "--modes",
+        "sparse",
+        "--workloads",
+        "decode:2x8",
+        "--rounds",
+        "1",
+        "--python",
+        sys.executable,
+        "--out",
+        str(tmp_path),
+        *flag,
+    ]
     assert vllm_speed.main(argv) == 0
     table = (tmp_path / "vllm_speed.md").read_text()
     assert (
@@ -509,16 +688,37 @@ def test_vllm_speed_runs_the_engines_as_vllm_does_unless_told_eager(tmp_path, mo
 def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
     import speed
 
-    argv = ["--random-layers", "1", "--hidden", "64", "--intermediate", "128",
-            "--num-sequences", "4", "--seq-len", "32", "--methods", "wisp", "sparsegpt",
-            "--offload-devices", "cpu", "--batch-sizes", "1", "2",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--random-layers",
+        "1",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "128",
+        "--num-sequences",
+        "4",
+        "--seq-len",
+        "32",
+        "--methods",
+        "wisp",
+        "sparsegpt",
+        "--offload-devices",
+        "cpu",
+        "--batch-sizes",
+        "1",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
     assert speed.main(argv) == 0
     rows = json.loads((tmp_path / "speed_random.json").read_text())["rows"]
     pipelines = ["sequential", "whisper_layerwise"]  # both by default (issue 24)
     assert [(r["method"], r["pipeline"], r["batch_size"]) for r in rows] == [
-        (method, pipeline, batch) for batch in (1, 2) for method in ("wisp", "sparsegpt")
-        for pipeline in pipelines]  # fmt: skip
+        (method, pipeline, batch)
+        for batch in (1, 2)
+        for method in ("wisp", "sparsegpt")
+        for pipeline in pipelines
+    ]
     assert all(r["seconds"] > 0 and r["layer_target"] is None for r in rows)  # not 7B-shaped
     table = (tmp_path / "speed_random.md").read_text()
     assert "| wisp | whisper_layerwise | cpu | 2 |" in table
@@ -530,13 +730,29 @@ def test_speed_benchmark_on_a_random_llama_shaped_model(tmp_path):
 def test_speed_benchmark_times_the_pipelines_and_compares_their_weights(tmp_path):
     import speed
 
-    argv = ["--models", "stories260K", "--pairs", "pipeline", "--repeats", "1", "--only",
-            "wanda@whisper_layerwise", "--num-sequences", "4", "--seq-len", "64",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--models",
+        "stories260K",
+        "--pairs",
+        "pipeline",
+        "--repeats",
+        "1",
+        "--only",
+        "wanda@whisper_layerwise",
+        "--num-sequences",
+        "4",
+        "--seq-len",
+        "64",
+        "--out",
+        str(tmp_path),
+    ]
     assert speed.main(argv) == 0
     (row,) = json.loads((tmp_path / "speed.json").read_text())["models"]["stories260K"]["ratios"]
     assert (row["baseline"], row["method"], row["time_target"]) == (
-        "wanda", "wanda@whisper_layerwise", 1.0)  # fmt: skip
+        "wanda",
+        "wanda@whisper_layerwise",
+        1.0,
+    )
     assert row["same_weights"] is True  # eager attention on a CPU: llmcompressor's bits
     assert "| wanda@whisper_layerwise / wanda |" in (tmp_path / "speed.md").read_text()
 
@@ -544,9 +760,22 @@ def test_speed_benchmark_times_the_pipelines_and_compares_their_weights(tmp_path
 def test_speed_benchmark_batch_effect(tmp_path):
     import speed
 
-    argv = ["--batch-effect", "--models", "stories260K", "--methods", "whisper",
-            "--batch-sizes", "1", "4", "--num-sequences", "8", "--seq-len", "64",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--batch-effect",
+        "--models",
+        "stories260K",
+        "--methods",
+        "whisper",
+        "--batch-sizes",
+        "1",
+        "4",
+        "--num-sequences",
+        "8",
+        "--seq-len",
+        "64",
+        "--out",
+        str(tmp_path),
+    ]
     assert speed.main(argv) == 0
     rows = json.loads((tmp_path / "speed_batch.json").read_text())["rows"]
     assert [r["batch_size"] for r in rows] == [1, 4] and rows[0]["mask_agreement"] == 1.0
@@ -567,8 +796,9 @@ def test_reference_obs_solve_is_sparsegpts(tmp_path):
     linear = torch.nn.Linear(256, 48, bias=False)
     for prune_n, prune_m in ((2, 4), (0, 0)):
         mine = obs_prune(linear.weight.detach(), hessian, 0.5, prune_n, prune_m)
-        stock = sparsify_weight(linear, {linear: hessian.clone()}, 0.5, prune_n, prune_m, 128,
-                                0.01, False)  # fmt: skip
+        stock = sparsify_weight(
+            linear, {linear: hessian.clone()}, 0.5, prune_n, prune_m, 128, 0.01, False
+        )
         assert torch.equal(mine, (stock[1] if isinstance(stock, tuple) else stock).detach())
         pruned = (mine == 0).float().mean()
         assert pruned == 0.5 if prune_n else 0.5 <= pruned < 0.51
@@ -594,14 +824,38 @@ def test_speed_benchmark_with_the_reference_and_a_profile(tmp_path):
     ops."""
     import speed
 
-    argv = ["--random-layers", "1", "--hidden", "64", "--intermediate", "128",
-            "--num-sequences", "2", "--seq-len", "16", "--methods", "wisp", "whisper",
-            "--pipelines", "sequential", "--offload-devices", "cpu", "--reference",
-            "--profile", "wisp", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--random-layers",
+        "1",
+        "--hidden",
+        "64",
+        "--intermediate",
+        "128",
+        "--num-sequences",
+        "2",
+        "--seq-len",
+        "16",
+        "--methods",
+        "wisp",
+        "whisper",
+        "--pipelines",
+        "sequential",
+        "--offload-devices",
+        "cpu",
+        "--reference",
+        "--profile",
+        "wisp",
+        "--out",
+        str(tmp_path),
+    ]
     assert speed.main(argv) == 0
     rows = json.loads((tmp_path / "speed_random.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["reference wanda", "reference sparsegpt", "wisp",
-                                           "whisper"]  # fmt: skip
+    assert [r["method"] for r in rows] == [
+        "reference wanda",
+        "reference sparsegpt",
+        "wisp",
+        "whisper",
+    ]
     assert [r["reference"] for r in rows[2:]] == ["reference wanda", "reference sparsegpt"]
     assert [r["reference_target"] for r in rows[2:]] == [1.2, 1.1]
     assert all(r["reference_ratio"] > 0 for r in rows[2:])

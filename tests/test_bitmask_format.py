@@ -49,18 +49,33 @@ def test_a_layer_takes_the_bytes_the_issue_counts():
     assert 0.40 < stored / (256 * 4096 * 2) < 0.43
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda c, b, o: (c, b, o[:-1]), r"layer\.row_offsets has shape \(6,\)"),
-    (lambda c, b, o: (c[:-1], b, o), r"layer\.compressed holds \d+ values, but"),
-    (lambda c, b, o: (c, b.clone().index_put_((torch.tensor(2), torch.tensor(0)),
-                                              b[2, 0] ^ 1), o),
-     r"layer\.(row_offsets\[3\] is|compressed holds)"),
-    (lambda c, b, o: (c, b.clone().index_put_((torch.tensor(1), torch.tensor(4)),
-                                              torch.tensor(0x80, dtype=torch.uint8)), o),
-     r"layer\.bitmask marks inputs past 37"),
-    (lambda c, b, o: (c.reshape(1, -1), b, o), r"layer\.compressed has shape .* not 1-D"),
-    (lambda c, b, o: (c, b.to(torch.int16), o), r"layer\.bitmask is torch\.int16"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda c, b, o: (c, b, o[:-1]), r"layer\.row_offsets has shape \(6,\)"),
+        (lambda c, b, o: (c[:-1], b, o), r"layer\.compressed holds \d+ values, but"),
+        (
+            lambda c, b, o: (
+                c,
+                b.clone().index_put_((torch.tensor(2), torch.tensor(0)), b[2, 0] ^ 1),
+                o,
+            ),
+            r"layer\.(row_offsets\[3\] is|compressed holds)",
+        ),
+        (
+            lambda c, b, o: (
+                c,
+                b.clone().index_put_(
+                    (torch.tensor(1), torch.tensor(4)), torch.tensor(0x80, dtype=torch.uint8)
+                ),
+                o,
+            ),
+            r"layer\.bitmask marks inputs past 37",
+        ),
+        (lambda c, b, o: (c.reshape(1, -1), b, o), r"layer\.compressed has shape .* not 1-D"),
+        (lambda c, b, o: (c, b.to(torch.int16), o), r"layer\.bitmask is torch\.int16"),
+    ],
+)
 def test_a_corrupt_layer_is_refused_naming_it(corrupt, message):
     weight = sparse_weight(7, 37, 0.5, torch.bfloat16)
     parts = corrupt(*compress_bitmask(weight))

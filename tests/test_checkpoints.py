@@ -23,10 +23,22 @@ from whisper_sparse import QUANT_METHOD
 from whisper_sparse.format.checkpoint import RECORD_FILE, check_checkpoint
 
 FAST = [
-    "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
-    "--num-sequences", "4", "--seq-len", "64", "--eval-text", str(HELDOUT_TEXT),
-    "--eval-seq-len", "128", "--eval-windows", "2", "--skip-dense-eval",
-]  # fmt: skip
+    "--model",
+    str(MODEL_DIR),
+    "--calibration",
+    str(CALIBRATION_TEXT),
+    "--num-sequences",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-text",
+    str(HELDOUT_TEXT),
+    "--eval-seq-len",
+    "128",
+    "--eval-windows",
+    "2",
+    "--skip-dense-eval",
+]
 
 
 @pytest.mark.parametrize(
@@ -107,8 +119,12 @@ def test_incomplete_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         check_checkpoint(tmp_path)
-    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
-                            "b": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):

@@ -13,11 +13,21 @@ from conftest import CALIBRATION_TEXT, HELDOUT_TEXT, MODEL_DIR, dense_state_dict
 from whisper_modifiers.cli import REPORT_FILE, main
 
 FAST = [
-    "--model", str(MODEL_DIR),
-    "--calibration", str(CALIBRATION_TEXT),
-    "--num-sequences", "4", "--seq-len", "64",
-    "--eval-text", str(HELDOUT_TEXT), "--eval-seq-len", "128", "--eval-windows", "4",
-]  # fmt: skip
+    "--model",
+    str(MODEL_DIR),
+    "--calibration",
+    str(CALIBRATION_TEXT),
+    "--num-sequences",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-text",
+    str(HELDOUT_TEXT),
+    "--eval-seq-len",
+    "128",
+    "--eval-windows",
+    "4",
+]
 
 
 def test_prunes_reports_and_saves(tmp_path, capsys):
@@ -109,8 +119,10 @@ def test_strict_json_writes_non_finite_numbers_as_null():
 
     text = strict_json({"a": float("inf"), "b": [1.5, float("nan")], "c": {"d": -float("inf")}})
     assert json.loads(text, parse_constant=refuse_non_finite) == {
-        "a": None, "b": [1.5, None], "c": {"d": None}
-    }  # fmt: skip
+        "a": None,
+        "b": [1.5, None],
+        "c": {"d": None},
+    }
 
 
 def test_same_calibration_and_evaluation_file_is_warned_about(tmp_path):
@@ -119,8 +131,14 @@ def test_same_calibration_and_evaluation_file_is_warned_about(tmp_path):
     messages = []
     sink = logger.add(messages.append, level="WARNING")
     try:
-        argv = [*FAST, "--recipe", "wanda_2of4", "--output-dir", str(tmp_path / "o"),
-                "--skip-dense-eval"]  # fmt: skip
+        argv = [
+            *FAST,
+            "--recipe",
+            "wanda_2of4",
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--skip-dense-eval",
+        ]
         argv[argv.index("--eval-text") + 1] = str(CALIBRATION_TEXT)
         assert main(argv) == 0
     finally:

@@ -50,8 +50,17 @@ if cpu_kernels_unavailable():
 
 # (out, in): inputs not a multiple of 8, 16 or 32 (tails of every kernel), a row group of
 # four and its remainder, a 7B-like input size and a tensor-parallel half of it
-SHAPES = [(1, 4), (5, 12), (16, 32), (33, 100), (64, 132), (7, 36), (130, 260), (17, 4100),
-          (8, 2048)]  # fmt: skip
+SHAPES = [
+    (1, 4),
+    (5, 12),
+    (16, 32),
+    (33, 100),
+    (64, 132),
+    (7, 36),
+    (130, 260),
+    (17, 4100),
+    (8, 2048),
+]
 TOKENS = [1, 2, 3, 4, 5, 9, 16, 33, 64, 100]
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -134,8 +143,11 @@ def test_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path):
         for tokens in TOKENS:
             x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
             bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
-            bf16_tiles = (path in ("tiles", "brgemm") and weight_dtype == torch.bfloat16
-                          and isa == "avx512_bf16")  # fmt: skip
+            bf16_tiles = (
+                path in ("tiles", "brgemm")
+                and weight_dtype == torch.bfloat16
+                and isa == "avx512_bf16"
+            )
             exact_in = torch.bfloat16 if bf16_tiles else x_dtype
             exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
             expected = exact.to(exact_in).to(x_dtype)
@@ -168,8 +180,9 @@ def test_op_keeps_leading_dimensions_and_refuses_bad_tensors():
     weight = random_two_four(16, 64, torch.float32)
     compressed, bitmask = compress_24(weight)
     x = torch.randn(2, 3, 64)
-    assert torch.allclose(two_four_cpu_linear(x, compressed, bitmask, None, 64),
-                          F.linear(x, weight), atol=1e-5)  # fmt: skip
+    assert torch.allclose(
+        two_four_cpu_linear(x, compressed, bitmask, None, 64), F.linear(x, weight), atol=1e-5
+    )
     with pytest.raises(RuntimeError, match=r"x must be a CPU tensor \[\.\.\., 64\]"):
         two_four_cpu_linear(torch.randn(3, 60), compressed, bitmask, None, 64)
     with pytest.raises(RuntimeError, match="bitmask must be a contiguous"):
@@ -188,8 +201,17 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
     for t in PATHS.values():
         torch.library.opcheck(
             op,
-            (x, compressed, bitmask, None, 128, t.gemm_from, t.tiled_from, t.lanes_until,
-             t.brgemm_until),
+            (
+                x,
+                compressed,
+                bitmask,
+                None,
+                128,
+                t.gemm_from,
+                t.tiled_from,
+                t.lanes_until,
+                t.brgemm_until,
+            ),
             test_utils=("test_schema", "test_faketensor"),
         )
 
@@ -203,18 +225,32 @@ def test_op_is_a_custom_op_that_compiled_graphs_keep():
 def timings_table(points: list[tuple]) -> list[dict]:
     """``(tokens, rows, gemm, tiles, dense)`` seconds per ladder point (gemm None: it does
     not run)."""
-    return [{"tokens": t, "rows_s": r, "gemm_s": g, "tiles_s": s, "dense_s": d}
-            for t, r, g, s, d in points]  # fmt: skip
+    return [
+        {"tokens": t, "rows_s": r, "gemm_s": g, "tiles_s": s, "dense_s": d}
+        for t, r, g, s, d in points
+    ]
 
 
 def test_plan_runs_each_token_count_on_the_path_that_won_there():
-    timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (4, 2.0, 3.0, 3.0, 2.0),
-                             (16, 4.0, 3.5, 5.0, 3.0), (64, 9.0, 5.0, 6.0, 4.0),
-                             (256, 30.0, 20.0, 15.0, 14.0)])  # fmt: skip
+    timings = timings_table(
+        [
+            (1, 1.0, 3.0, 3.0, 2.0),
+            (4, 2.0, 3.0, 3.0, 2.0),
+            (16, 4.0, 3.5, 5.0, 3.0),
+            (64, 9.0, 5.0, 6.0, 4.0),
+            (256, 30.0, 20.0, 15.0, 14.0),
+        ]
+    )
     plan = plan_from_timings(timings)
     assert (plan.gemm_from, plan.tiled_from, plan.faster_at_decode) == (16, 256, True)
     assert [plan.path(t) for t in (1, 15, 16, 255, 256, 4096)] == [
-        "rows", "rows", "gemm", "gemm", "tiles", "tiles"]  # fmt: skip
+        "rows",
+        "rows",
+        "gemm",
+        "gemm",
+        "tiles",
+        "tiles",
+    ]
     assert plan.speedups[0] == (1, 2.0) and plan.speedups[2] == (16, 3.0 / 3.5)
     assert "gemm from 16" in plan.describe() and "tiles from 256" in plan.describe()
     slower = "slower than dense at 16, 64, 256 tokens: WHISPER_MODIFIERS_SPARSE=dense"
@@ -237,8 +273,14 @@ def test_plan_takes_the_micro_kernels_tiles_where_they_beat_atens():
     which ATen's were never slower (an AMX Xeon's host: the micro-kernel won 4096 x 11008 at
     16 tokens, 4.8 against 12.2 ms, and lost at 512, 92 against 51; one choice for all the
     tiles' counts took ATen's at 16, 0.54x dense)."""
-    timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (4, 2.0, 3.0, 3.0, 2.0),
-                             (16, 4.0, 3.5, 5.0, 5.0), (64, 9.0, 8.0, 9.0, 9.0)])  # fmt: skip
+    timings = timings_table(
+        [
+            (1, 1.0, 3.0, 3.0, 2.0),
+            (4, 2.0, 3.0, 3.0, 2.0),
+            (16, 4.0, 3.5, 5.0, 5.0),
+            (64, 9.0, 8.0, 9.0, 9.0),
+        ]
+    )
     for timing, brgemm in zip(timings, (4.0, 4.0, 2.0, 4.0), strict=True):
         timing["brgemm_s"] = brgemm
     plan = plan_from_timings(timings)
@@ -275,8 +317,12 @@ def test_plan_compares_paths_by_their_rounds_ratios():
             point |= {f"{name}_rounds": values, f"{name}_s": statistics.median(values)}
 
     timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (512, 300.0, 100.0, 96.0, 100.0)])
-    timed(timings[1], gemm=[100.0, 101.0, 130.0, 250.0, 260.0], rows=[300.0] * 5,
-          tiles=[97.0, 98.0, 100.0, 240.0, 245.0])  # fmt: skip
+    timed(
+        timings[1],
+        gemm=[100.0, 101.0, 130.0, 250.0, 260.0],
+        rows=[300.0] * 5,
+        tiles=[97.0, 98.0, 100.0, 240.0, 245.0],
+    )
     assert timings[1]["tiles_s"] / timings[1]["gemm_s"] < 0.8
     assert plan_from_timings([t | {"gemm_rounds": None} for t in timings]).tiled_from == 512
     assert plan_from_timings(timings).tiled_from == NO_TILES  # rounds' ratios: median 0.96x
@@ -293,10 +339,18 @@ def test_plan_compares_paths_by_their_rounds_ratios():
     assert timings[0]["dense_s"] / timings[0]["rows_s"] == 1.4  # by medians it won
     assert not plan_from_timings(timings).faster_at_decode
     lanes = timings_table([(16, 4.0, 4.0, 9.0, 4.0), (64, 8.0, 7.0, 20.0, 8.0)])
-    lanes[0] |= {"rows_rounds": [4.2, 4.1, 4.3], "gemm_rounds": [9.0] * 3,
-                 "lanes_s": 5.0, "lanes_rounds": [3.9, 4.0, 4.0]}  # fmt: skip
-    lanes[1] |= {"rows_rounds": [7.0, 7.1, 7.2], "gemm_rounds": [6.0] * 3,
-                 "lanes_s": 3.0, "lanes_rounds": [7.0] * 3}  # fmt: skip
+    lanes[0] |= {
+        "rows_rounds": [4.2, 4.1, 4.3],
+        "gemm_rounds": [9.0] * 3,
+        "lanes_s": 5.0,
+        "lanes_rounds": [3.9, 4.0, 4.0],
+    }
+    lanes[1] |= {
+        "rows_rounds": [7.0, 7.1, 7.2],
+        "gemm_rounds": [6.0] * 3,
+        "lanes_s": 3.0,
+        "lanes_rounds": [7.0] * 3,
+    }
     for point in lanes:
         point["tiles_rounds"] = [99.0] * 3
     plan = plan_from_timings(lanes)  # at 16 the lanes GEMM's rounds, not its median, meet the rows'
@@ -306,9 +360,16 @@ def test_plan_compares_paths_by_their_rounds_ratios():
 def test_a_two_four_plan_takes_the_lanes_gemm_where_it_beat_the_two_four_gemm():
     """A 2:4 layer's unstructured GEMM ("lanes") runs from the GEMM's start until the 2:4
     GEMM's last loss to it; the rows weigh against the faster of the two there."""
-    timings = timings_table([(1, 1.0, 3.0, 3.0, 2.0), (4, 2.0, 3.0, 3.0, 2.0),
-                             (16, 4.0, 4.2, 5.0, 4.0), (32, 6.0, 5.0, 6.0, 5.0),
-                             (64, 9.0, 7.0, 8.0, 7.0), (256, 30.0, 20.0, 25.0, 21.0)])  # fmt: skip
+    timings = timings_table(
+        [
+            (1, 1.0, 3.0, 3.0, 2.0),
+            (4, 2.0, 3.0, 3.0, 2.0),
+            (16, 4.0, 4.2, 5.0, 4.0),
+            (32, 6.0, 5.0, 6.0, 5.0),
+            (64, 9.0, 7.0, 8.0, 7.0),
+            (256, 30.0, 20.0, 25.0, 21.0),
+        ]
+    )
     lanes = {1: 3.1, 4: 3.2, 16: 3.5, 32: 4.5, 64: 7.5, 256: 24.0}
     for timing in timings:
         timing["lanes_s"] = lanes[timing["tokens"]]
@@ -316,7 +377,13 @@ def test_a_two_four_plan_takes_the_lanes_gemm_where_it_beat_the_two_four_gemm():
     # the 2:4 GEMM loses to the rows at 16, the lanes GEMM wins there
     assert (plan.gemm_from, plan.lanes_until, plan.tiled_from) == (16, 64, NO_TILES)
     assert [plan.path(t) for t in (1, 15, 16, 63, 64, 4096)] == [
-        "rows", "rows", "lanes", "lanes", "gemm", "gemm"]  # fmt: skip
+        "rows",
+        "rows",
+        "lanes",
+        "lanes",
+        "gemm",
+        "gemm",
+    ]
     assert plan.speedups[2] == (16, 4.0 / 3.5) and plan.speedups[4] == (64, 1.0)
     assert "rows from 1; lanes from 16; gemm from 64 tokens" in plan.describe()
     timings[4]["lanes_s"] = 6.0  # the lanes GEMM wins at 64 too: until 256
@@ -329,8 +396,14 @@ def test_a_two_four_plan_takes_the_lanes_gemm_where_it_beat_the_two_four_gemm():
 
 def test_plan_without_the_gemm_keeps_rows_and_tiles():
     """Where the GEMM does not run (no avx512_bf16, or float32), the plan has rows and tiles."""
-    timings = timings_table([(1, 1.0, None, 3.0, 1.5), (4, 2.0, None, 3.0, 2.0),
-                             (16, 4.0, None, 3.5, 3.0), (64, 9.0, None, 5.0, 4.0)])  # fmt: skip
+    timings = timings_table(
+        [
+            (1, 1.0, None, 3.0, 1.5),
+            (4, 2.0, None, 3.0, 2.0),
+            (16, 4.0, None, 3.5, 3.0),
+            (64, 9.0, None, 5.0, 4.0),
+        ]
+    )
     plan = plan_from_timings(timings)
     assert (plan.gemm_from, plan.tiled_from, plan.faster_at_decode) == (NO_TILES, 16, True)
     assert "gemm" not in plan.describe()
@@ -351,10 +424,14 @@ def test_a_machine_that_cannot_build_says_why_in_one_line(tmp_path):
         "from whisper_sparse.cpu.op import cpu_kernels_unavailable\n"
         "print('REASON', cpu_kernels_unavailable())\n"
     )
-    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
-           "WHISPER_MODIFIERS_CACHE": str(tmp_path / "cache")}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    env = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-compiler"),
+        "WHISPER_MODIFIERS_CACHE": str(tmp_path / "cache"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("REASON")]
     assert line.startswith("REASON the 2:4 CPU kernels could not be built:"), done.stderr[-2000:]
     assert not list((tmp_path / "cache").glob("cpu_kernels/*/*.so"))
@@ -368,15 +445,30 @@ def test_avx512_and_avx2_kernels_are_right_on_any_cpu(tmp_path):
     the values, masks or activations a kernel is given fails (the unstructured kernels load
     up to 32 values at a time wherever the layer has them)."""
     native = Path(__file__).with_name("native")
-    sources = [native / "check_kernels.cpp", SOURCE_DIR / "avx2.cpp",
-               SOURCE_DIR / "avx2_bitmask.cpp", SOURCE_DIR / "avx512.cpp",
-               SOURCE_DIR / "avx512_bf16.cpp",
-               SOURCE_DIR / "avx512_bf16_gemm.cpp",
-               SOURCE_DIR / "avx512_bf16_bitmask_gemm.cpp",
-               SOURCE_DIR / "avx512_bf16_grouped.cpp"]  # fmt: skip
-    command = [cpu_build._compiler(), "-O1", "-fsanitize=address", "-std=c++17", "-I",
-               str(SOURCE_DIR), "-I", str(native), "-DWS_EMULATE_INTRINSICS=\"avx512_emulation.h\"",
-               *map(str, sources), "-o", str(tmp_path / "check")]  # fmt: skip
+    sources = [
+        native / "check_kernels.cpp",
+        SOURCE_DIR / "avx2.cpp",
+        SOURCE_DIR / "avx2_bitmask.cpp",
+        SOURCE_DIR / "avx512.cpp",
+        SOURCE_DIR / "avx512_bf16.cpp",
+        SOURCE_DIR / "avx512_bf16_gemm.cpp",
+        SOURCE_DIR / "avx512_bf16_bitmask_gemm.cpp",
+        SOURCE_DIR / "avx512_bf16_grouped.cpp",
+    ]
+    command = [
+        cpu_build._compiler(),
+        "-O1",
+        "-fsanitize=address",
+        "-std=c++17",
+        "-I",
+        str(SOURCE_DIR),
+        "-I",
+        str(native),
+        '-DWS_EMULATE_INTRINSICS="avx512_emulation.h"',
+        *map(str, sources),
+        "-o",
+        str(tmp_path / "check"),
+    ]
     built = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     done = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True, timeout=300)
@@ -454,17 +546,22 @@ def test_bitmask_op_is_exact_on_integer_values(isa, weight_dtype, x_dtype, path)
         for sparsity in (0.0, 0.5, 0.65, 1.0):
             weight = integer_sparse(rows, columns, sparsity, weight_dtype, generator)
             values, bitmask, row_offsets = compress_bitmask(weight)
-            assert torch.equal(bitmask_decompress_cpu(values, bitmask, row_offsets, columns),
-                               weight)  # fmt: skip
+            assert torch.equal(
+                bitmask_decompress_cpu(values, bitmask, row_offsets, columns), weight
+            )
             for tokens in (1, 2, 3, 5, 17, 30, 70):
                 x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
                 bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
-                bf16_tiles = (path in ("tiles", "brgemm") and weight_dtype == torch.bfloat16
-                              and isa == "avx512_bf16")  # fmt: skip
+                bf16_tiles = (
+                    path in ("tiles", "brgemm")
+                    and weight_dtype == torch.bfloat16
+                    and isa == "avx512_bf16"
+                )
                 exact_in = torch.bfloat16 if bf16_tiles else x_dtype
                 exact = x.to(exact_in).double() @ weight.double().t() + bias.to(exact_in).double()
-                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, bias, columns,
-                                         PATHS[path])  # fmt: skip
+                got = bitmask_cpu_linear(
+                    x, values, bitmask, row_offsets, bias, columns, PATHS[path]
+                )
                 assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns, tokens)
 
 
@@ -480,8 +577,7 @@ def test_bitmask_op_follows_the_reference_on_real_values(isa):
             reference = F.linear(x.double(), weight.double())
             scale = x.double().abs() @ weight.double().abs().t() + 1
             for path in BITMASK_PATHS:
-                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000,
-                                         PATHS[path])  # fmt: skip
+                got = bitmask_cpu_linear(x, values, bitmask, row_offsets, None, 1000, PATHS[path])
                 error = (got.double() - reference).abs()
                 assert (error <= 1e-5 * scale + 2.0**-8 * reference.abs()).all(), tokens
 
@@ -503,11 +599,15 @@ def test_tiles_are_exact_across_tiles(isa, weight_dtype):
     unstructured = integer_sparse(rows, columns, 0.5, weight_dtype, generator)
     compressed_24, stored = compress_24(two_four), compress_bitmask(unstructured)
     layers = {  # layout: (weight, the op on its stored tensors at a path's thresholds)
-        "2:4": (two_four, lambda thresholds: two_four_cpu_linear(
-            x, *compressed_24, bias, columns, thresholds)),
-        "unstructured": (unstructured, lambda thresholds: bitmask_cpu_linear(
-            x, *stored, bias, columns, thresholds)),
-    }  # fmt: skip
+        "2:4": (
+            two_four,
+            lambda thresholds: two_four_cpu_linear(x, *compressed_24, bias, columns, thresholds),
+        ),
+        "unstructured": (
+            unstructured,
+            lambda thresholds: bitmask_cpu_linear(x, *stored, bias, columns, thresholds),
+        ),
+    }
     for layout, (weight, run) in layers.items():
         exact = x.double() @ weight.double().t() + bias.double()
         expected = exact.to(exact_in).float()
@@ -542,8 +642,9 @@ def test_an_unstructured_plan_is_measured_on_each_path_that_runs(dtype):
     plan, timings = measure_cpu_plan(16, 64, dtype, ladder=(1, 4), density=0.35)
     gemm = gemm_runs(dtype, dtype)
     assert [t["tokens"] for t in timings] == [1, 4]
-    assert all({"dense_s", "rows_s", "tiles_s"} <= t.keys() and ("gemm_s" in t) == gemm
-               for t in timings)  # fmt: skip
+    assert all(
+        {"dense_s", "rows_s", "tiles_s"} <= t.keys() and ("gemm_s" in t) == gemm for t in timings
+    )
     if not gemm:
         assert plan.gemm_from == NO_TILES
 
@@ -565,12 +666,14 @@ def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(mon
 
     weight = served_module.random_unstructured(8, 4096, torch.float32, 0.25)
     monkeypatch.setattr(served_module, "bitmask_cpu_linear", recording)
-    monkeypatch.setattr(served_module, "random_unstructured",
-                        lambda rows, columns, dtype, density: weight)  # fmt: skip
+    monkeypatch.setattr(
+        served_module, "random_unstructured", lambda rows, columns, dtype, density: weight
+    )
     cpu_plans.measure_cpu_plan(8, 4096, torch.float32, ladder=(1,), density=0.25)
     monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "sparse")
-    served = cpu_serving_kernel(*compress_bitmask(weight)[:2], 4096, "layer",
-                                compress_bitmask(weight)[2])  # fmt: skip
+    served = cpu_serving_kernel(
+        *compress_bitmask(weight)[:2], 4096, "layer", compress_bitmask(weight)[2]
+    )
     assert seen and served.compressed.numel() > compress_bitmask(weight)[0].numel()
     assert {numel for numel, _ in seen} == {served.compressed.numel()}
     assert all(torch.equal(offsets, served.row_offsets) for _, offsets in seen)

@@ -196,8 +196,12 @@ def test_sentencepiece_bpe_tokenizer_from_gguf(tmp_path):
     writer.add_token_list(pieces)
     writer.add_token_scores(scores)
     writer.add_token_types(kinds)
-    for add, index in ((writer.add_bos_token_id, 2), (writer.add_eos_token_id, 1),
-                       (writer.add_unk_token_id, 3), (writer.add_pad_token_id, 0)):  # fmt: skip
+    for add, index in (
+        (writer.add_bos_token_id, 2),
+        (writer.add_eos_token_id, 1),
+        (writer.add_unk_token_id, 3),
+        (writer.add_pad_token_id, 0),
+    ):
         add(index)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -240,10 +244,15 @@ def test_lm_eval_reads_a_compressed_checkpoint_through_whisper_lm_eval(tmp_path,
     write_compressed(checkpoint, targets)
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    docs = [{"question": q, "choices": c, "gold": g} for q, c, g in [
-        ("Once upon a time there was a little", ["girl", "car"], 0),
-        ("The dog said", ["woof", "table"], 0), ("She was very", ["happy", "seven"], 1),
-        ("They went to the", ["park", "blue"], 0)]]  # fmt: skip
+    docs = [
+        {"question": q, "choices": c, "gold": g}
+        for q, c, g in [
+            ("Once upon a time there was a little", ["girl", "car"], 0),
+            ("The dog said", ["woof", "table"], 0),
+            ("She was very", ["happy", "seven"], 1),
+            ("They went to the", ["park", "blue"], 0),
+        ]
+    ]
     (tasks / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
     (tasks / "tiny.yaml").write_text(
         f"task: tiny_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
@@ -251,16 +260,34 @@ def test_lm_eval_reads_a_compressed_checkpoint_through_whisper_lm_eval(tmp_path,
         'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: gold\n'
         "metric_list:\n  - metric: acc\n"
     )
-    args = ["run", "--model", "hf", "--model_args", f"pretrained={checkpoint},dtype=float32",
-            "--tasks", "tiny_local", "--include_path", str(tasks), "--device", "cpu",
-            "--output_path", str(tmp_path / "out")]  # fmt: skip
+    args = [
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={checkpoint},dtype=float32",
+        "--tasks",
+        "tiny_local",
+        "--include_path",
+        str(tasks),
+        "--device",
+        "cpu",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     scripts = Path(sys.executable).parent
-    stock = subprocess.run([str(scripts / "lm-eval"), *args], capture_output=True, text=True,
-                           env=env, timeout=600)  # fmt: skip
+    stock = subprocess.run(
+        [str(scripts / "lm-eval"), *args], capture_output=True, text=True, env=env, timeout=600
+    )
     assert stock.returncode != 0 and "Unknown quantization type" in stock.stdout + stock.stderr
-    ours = subprocess.run([str(scripts / "whisper-lm-eval"), *args], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
+    ours = subprocess.run(
+        [str(scripts / "whisper-lm-eval"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert ours.returncode == 0, (ours.stdout + ours.stderr)[-3000:]
     (result,) = (tmp_path / "out").rglob("results_*.json")
     accuracy = json.loads(result.read_text())["results"]["tiny_local"]["acc,none"]

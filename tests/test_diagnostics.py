@@ -44,16 +44,35 @@ def test_gamma_sweep_ends_at_sparsegpt_and_trades_wx_for_wdx():
 
 def test_whisper_diagnose_writes_its_files(tmp_path, capsys):
     out = tmp_path / "diag"
-    argv = ["--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
-            "--num-sequences", "4", "--seq-len", "64", "--sparsities", "0.5", "0.7",
-            "--gammas", "0.01", "1.0", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--model",
+        str(MODEL_DIR),
+        "--calibration",
+        str(CALIBRATION_TEXT),
+        "--num-sequences",
+        "4",
+        "--seq-len",
+        "64",
+        "--sparsities",
+        "0.5",
+        "0.7",
+        "--gammas",
+        "0.01",
+        "1.0",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads((out / "diagnostics.json").read_text())
     assert report["module"] == "model.layers.2.mlp.gate_proj"
     assert len(report["mapping_difficulty"]) == 172
     assert set(report["difficulty_preserved"]) >= {"wanda", "wisp", "wisp_plus", "whisper"}
-    for png in ("saliency_scatter", "saliency_distributions", "difficulty_vs_sparsity",
-                "gamma_sweep"):  # fmt: skip
+    for png in (
+        "saliency_scatter",
+        "saliency_distributions",
+        "difficulty_vs_sparsity",
+        "gamma_sweep",
+    ):
         assert (out / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     assert "Wasserstein neurons" in capsys.readouterr().out
     # the output-directory rules of whisper-prune: an earlier report is never replaced

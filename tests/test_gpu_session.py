@@ -33,13 +33,22 @@ def test_calls_fit_the_device_limits_and_follow_the_issues_order(chunks):
         f"{gpu_session.VLLM_CARRY}/deps-a",
         f"{gpu_session.VLLM_CARRY}/deps-b",
     ]
-    ignored = subprocess.run(["git", "check-ignore", *carried], cwd=REPO, capture_output=True,
-                             text=True).stdout.split()  # fmt: skip
+    ignored = subprocess.run(
+        ["git", "check-ignore", *carried], cwd=REPO, capture_output=True, text=True
+    ).stdout.split()
     assert ignored == carried  # carried, never committed
-    stages = [word for call in calls for word in call["command"].split()
-              if word in gpu_session.STAGES]  # fmt: skip
-    assert stages == ["install-prune", "prune", "cuda-tests", "install-vllm", "serve",
-                      "correct", "serve-capture"]  # fmt: skip
+    stages = [
+        word for call in calls for word in call["command"].split() if word in gpu_session.STAGES
+    ]
+    assert stages == [
+        "install-prune",
+        "prune",
+        "cuda-tests",
+        "install-vllm",
+        "serve",
+        "correct",
+        "serve-capture",
+    ]
 
 
 def test_stages_run_what_the_issue_asks(tmp_path):
@@ -98,15 +107,18 @@ def demo_wheel(directory: Path) -> Path:
     """A minimal pure-Python wheel, as pip reads one."""
     wheel = directory / "demo_carried-0.1-py3-none-any.whl"
     info = "demo_carried-0.1.dist-info"
-    files = {"demo_carried.py": "ANSWER = 42\n",
-             f"{info}/METADATA": "Metadata-Version: 2.1\nName: demo-carried\nVersion: 0.1\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                              "Tag: py3-none-any\n"}  # fmt: skip
+    files = {
+        "demo_carried.py": "ANSWER = 42\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: demo-carried\nVersion: 0.1\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, text in files.items():
             archive.writestr(name, text)
-        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in files)
-                         + f"{info}/RECORD,,\n")  # fmt: skip
+        archive.writestr(
+            f"{info}/RECORD", "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+        )
     return wheel
 
 
@@ -173,7 +185,8 @@ def test_prune_stage_runs_here_at_smoke_size(tmp_path):
     """The stage itself (its environment, its output folder) on this CPU, shrunk."""
     assert gpu_session.main(["stage", "prune", "--smoke", "--out", str(tmp_path)]) == 0
     assert {"prune.log", "speed_random.md", "speed_random.json"} <= {
-        p.name for p in tmp_path.iterdir()}  # fmt: skip
+        p.name for p in tmp_path.iterdir()
+    }
     assert "| wisp | whisper_layerwise | cpu | 1 |" in (tmp_path / "speed_random.md").read_text()
 
 
@@ -184,16 +197,20 @@ def test_the_pruning_only_plan_is_two_calls_without_vllm(tmp_path):
     128-sequence profile's tables outran the call on an H100; after the table and the tests
     a 16-sequence one outran it twice on an H200)."""
     calls = gpu_session.plan_calls("prune")
-    assert [call["carry"] for call in calls] == [[f"{gpu_session.SESSION}/p0"],
-                                                 [f"{gpu_session.SESSION}/p1"], []]  # fmt: skip
+    assert [call["carry"] for call in calls] == [
+        [f"{gpu_session.SESSION}/p0"],
+        [f"{gpu_session.SESSION}/p1"],
+        [],
+    ]
     assert all(len(call["command"]) <= 2000 for call in calls)
     stages = [word for word in calls[1]["command"].split() if word in gpu_session.STAGES]
     assert stages == ["install-prune", "prune-reference", "cuda-tests"]
     assert [w for w in calls[2]["command"].split() if w in gpu_session.STAGES] == [
-        "cpu-op", "profile"]  # fmt: skip
+        "cpu-op",
+        "profile",
+    ]
     (cpu_op,) = gpu_session.stage_commands("cpu-op", tmp_path)
-    assert cpu_op[: cpu_op.index("benchmarks/cpu_sparse_op.py")][-4:-1] == [
-        "taskset", "-c", "0,1"]  # fmt: skip
+    assert cpu_op[: cpu_op.index("benchmarks/cpu_sparse_op.py")][-4:-1] == ["taskset", "-c", "0,1"]
     assert "OMP_NUM_THREADS=2" in cpu_op and "2:4" in cpu_op and "0.5" in cpu_op
     (prune,) = gpu_session.stage_commands("prune-reference", tmp_path)
     assert prune[1] == "benchmarks/speed.py" and "--reference" in prune
@@ -226,7 +243,6 @@ def test_a_stage_sees_the_site_an_earlier_stage_installed(tmp_path, monkeypatch)
         "install-prune": [sys.executable, "-c", f"import os; os.makedirs({str(site)!r})"],
         "prune": [sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"],
     }
-    monkeypatch.setattr(gpu_session, "stage_commands",
-                        lambda stage, out, smoke: [commands[stage]])  # fmt: skip
+    monkeypatch.setattr(gpu_session, "stage_commands", lambda stage, out, smoke: [commands[stage]])
     assert gpu_session.run_stages(["install-prune", "prune"], tmp_path / "out", False, False) == 0
     assert str(site) in (tmp_path / "out" / "prune.log").read_text().split(os.pathsep)[-1]

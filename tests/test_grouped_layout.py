@@ -20,11 +20,11 @@ from whisper_sparse.cpu.grouped_layout import (
 from whisper_sparse.cpu.op import PathThresholds
 from whisper_sparse.format.bitmask import compress_bitmask
 
-SHAPES = [(1, 1), (5, 12), (7, 37), (8, 32), (16, 64), (33, 100), (17, 4100), (9, 2049),
-          (70, 1058)]  # fmt: skip
+SHAPES = [(1, 1), (5, 12), (7, 37), (8, 32), (16, 64), (33, 100), (17, 4100), (9, 2049), (70, 1058)]
 
-needs_kernels = pytest.mark.skipif(kernels.cpu_kernels_unavailable() is not None,
-                                   reason="the CPU op does not run here")  # fmt: skip
+needs_kernels = pytest.mark.skipif(
+    kernels.cpu_kernels_unavailable() is not None, reason="the CPU op does not run here"
+)
 
 
 def slow_group_layout(weight: torch.Tensor):
@@ -89,7 +89,8 @@ def test_grouped_op_is_exact_on_integer_values(path):
                     x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(x_dtype)
                     bias = torch.randint(-3, 4, (rows,), generator=generator).to(x_dtype)
                     tiles = path in ("tiles", "brgemm") or not kernels.gemm_runs(
-                        x_dtype, torch.bfloat16)  # fmt: skip
+                        x_dtype, torch.bfloat16
+                    )
                     exact_in = torch.bfloat16 if tiles and bf16_tiles else x_dtype
                     exact = x.to(exact_in).double() @ weight.double().t()
                     exact = exact + bias.to(exact_in).double()
@@ -97,13 +98,14 @@ def test_grouped_op_is_exact_on_integer_values(path):
                         x, *layer, bias, columns, rows, PathThresholds.only(path)
                     )
                     assert got.dtype == x_dtype
-                    assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns,
-                                                                              tokens)  # fmt: skip
+                    assert torch.equal(got, exact.to(exact_in).to(x_dtype)), (rows, columns, tokens)
 
 
 @needs_kernels
-@pytest.mark.skipif(not kernels.gemm_runs(torch.bfloat16, torch.bfloat16),
-                    reason="the unstructured GEMM runs on avx512_bf16 kernels only")  # fmt: skip
+@pytest.mark.skipif(
+    not kernels.gemm_runs(torch.bfloat16, torch.bfloat16),
+    reason="the unstructured GEMM runs on avx512_bf16 kernels only",
+)
 def test_a_wide_layer_at_many_tokens_is_exact_in_passes_of_inputs():
     """Where 512 tokens' packed inputs pass the GEMM's cap (9000 inputs), it runs passes of
     inputs, their float32 sums kept between them, and past 512 tokens passes of tokens too:

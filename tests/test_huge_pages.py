@@ -15,8 +15,9 @@ from whisper_sparse.cpu import huge_pages
 from whisper_sparse.cpu.grouped_layout import group_for_op, group_layout
 from whisper_sparse.format.bitmask import compress_bitmask
 
-offered = pytest.mark.skipif(not huge_pages.huge_pages_offered(),
-                             reason="this kernel offers no transparent huge pages")  # fmt: skip
+offered = pytest.mark.skipif(
+    not huge_pages.huge_pages_offered(), reason="this kernel offers no transparent huge pages"
+)
 
 
 def mapping_flags(address: int) -> set[str]:
@@ -67,8 +68,11 @@ def test_the_setting_is_read_from_its_bracketed_word(monkeypatch, tmp_path):
     and a kernel without the setting offers none."""
     setting = tmp_path / "enabled"
     monkeypatch.setattr(huge_pages, "_SETTING", setting)
-    for text, expected in [("always [madvise] never\n", True), ("[always] madvise never\n", True),
-                           ("always madvise [never]\n", False)]:  # fmt: skip
+    for text, expected in [
+        ("always [madvise] never\n", True),
+        ("[always] madvise never\n", True),
+        ("always madvise [never]\n", False),
+    ]:
         setting.write_text(text)
         huge_pages.huge_pages_offered.cache_clear()
         assert huge_pages.huge_pages_offered() is expected

@@ -25,8 +25,12 @@ def environment_with(tmp_path, torch_version: str):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    own = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     metadata = tmp_path / own / f"torch-{torch_version}.dist-info"
     metadata.mkdir(parents=True)
     (metadata / "METADATA").write_text(
@@ -40,20 +44,44 @@ def environment_with(tmp_path, torch_version: str):
 def would_install(python, tmp_path) -> list[tuple[str, str]]:
     report = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
-         "--no-build-isolation", "--no-index", "--report", str(report), "-e", str(REPO)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--dry-run",
+            "--no-build-isolation",
+            "--no-index",
+            "--report",
+            str(report),
+            "-e",
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return [(item["metadata"]["name"], item["metadata"]["version"])
-            for item in json.loads(report.read_text())["install"]]  # fmt: skip
+    return [
+        (item["metadata"]["name"], item["metadata"]["version"])
+        for item in json.loads(report.read_text())["install"]
+    ]
 
 
 @pytest.mark.parametrize("torch_version", ["2.10.0", "2.11.0"])
 def test_installing_beside_another_torch_in_range_keeps_it(tmp_path, torch_version):
     python = environment_with(tmp_path, torch_version)
-    seen = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
-                           "print(m.version('torch'), m.version('llmcompressor'))"],
-                          capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    seen = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.metadata as m; print(m.version('torch'), m.version('llmcompressor'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert seen == [torch_version, "0.14.0.1"]
     assert would_install(python, tmp_path) == [("whisper-modifiers", whisper_modifiers.__version__)]

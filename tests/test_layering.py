@@ -70,8 +70,10 @@ def test_statistics_copy_subtract_reduce_and_drop_are_direct_sums():
     gram = sum(x.t() @ x for x in others)
     torch.testing.assert_close(remaining[gate].hessian.total, gram, rtol=1e-6, atol=1e-6)
     remaining.reduce([gate, up])
-    assert torch.equal(remaining[gate].hessian.total, mean_over_sequences(
-        everything[gate].hessian.total - fold[gate].hessian.total, 4, 2.0))  # fmt: skip
+    assert torch.equal(
+        remaining[gate].hessian.total,
+        mean_over_sequences(everything[gate].hessian.total - fold[gate].hessian.total, 4, 2.0),
+    )
     norms = sum(x.square().sum(dim=0) for x in others) / 4
     torch.testing.assert_close(remaining[up].channel_norms.total, norms.float())
     assert torch.equal(copied[gate].hessian.total, everything[gate].hessian.total)

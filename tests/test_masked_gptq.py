@@ -18,8 +18,13 @@ from whisper_modifiers.modifiers.masked_gptq_quantize import masked_quantize_wei
 
 CHANNEL_INT8 = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
 # stories260K's Linear layers take 64 inputs (down_proj 172): groups of 32 quantize them
-W4_GROUP32 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-              "group_size": 32}  # fmt: skip
+W4_GROUP32 = {
+    "num_bits": 4,
+    "type": "int",
+    "symmetric": True,
+    "strategy": "group",
+    "group_size": 32,
+}
 
 
 def random_problem(rows=24, columns=64, seed=0):
@@ -41,9 +46,14 @@ def two_four(weight: torch.Tensor) -> torch.Tensor:
 
 def run(solver, weight, hessian, scale, blocksize=16):
     quantized, losses, fallback = solver(
-        weight[None].clone(), hessian[None].clone(), scale[None], torch.zeros_like(scale)[None],
-        None, CHANNEL_INT8, blocksize=blocksize,
-    )  # fmt: skip
+        weight[None].clone(),
+        hessian[None].clone(),
+        scale[None],
+        torch.zeros_like(scale)[None],
+        None,
+        CHANNEL_INT8,
+        blocksize=blocksize,
+    )
     assert not fallback.any()
     return quantized[0], losses[0]
 
@@ -117,8 +127,10 @@ def test_gptq_chain_keeps_two_four_and_is_compared_with_rtn_and_stock_gptq(run_o
     rtn = run_oneshot(
         [WhisperModifier(**prune), QuantizationModifier(config_groups=groups, ignore=ignore)]
     )
-    stock = run_oneshot([GPTQModifier(config_groups=groups, ignore=ignore)],
-                        model=run_oneshot([WhisperModifier(**prune)]))  # fmt: skip
+    stock = run_oneshot(
+        [GPTQModifier(config_groups=groups, ignore=ignore)],
+        model=run_oneshot([WhisperModifier(**prune)]),
+    )
     ids = tokenizer(HELDOUT_TEXT.read_text(), add_special_tokens=False)["input_ids"]
     results = {}
     for label, model in [("masked GPTQ", masked), ("RTN", rtn), ("stock GPTQ", stock)]:
@@ -126,9 +138,12 @@ def test_gptq_chain_keeps_two_four_and_is_compared_with_rtn_and_stock_gptq(run_o
         with torch.no_grad():
             ppl = perplexity(model.eval(), ids, 128, 8)
         results[label] = (ppl, bad, total)
-    print("\n2:4 + W4A16 (group 32) on stories260K: " + "; ".join(
-        f"{k}: ppl {p:.2f}, groups with >2 nonzeros {b}/{t}" for k, (p, b, t) in results.items()
-    ))  # fmt: skip
+    print(
+        "\n2:4 + W4A16 (group 32) on stories260K: "
+        + "; ".join(
+            f"{k}: ppl {p:.2f}, groups with >2 nonzeros {b}/{t}" for k, (p, b, t) in results.items()
+        )
+    )
     assert results["masked GPTQ"][1] == 0 and results["RTN"][1] == 0
     assert results["stock GPTQ"][1] > 0  # the broken pattern
     assert results["masked GPTQ"][0] < results["RTN"][0]
@@ -143,9 +158,20 @@ def test_stock_gptq_after_pruning_is_refused(run_oneshot, tmp_path, capsys):
         "s_stage:\n  s_modifiers:\n    WispModifier:\n      sparsity: 0.5\n"
         "    GPTQModifier:\n      targets: ['Linear']\n      scheme: W8A8\n"
     )
-    args = ["--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT), "--eval-text",
-            str(HELDOUT_TEXT), "--eval-seq-len", "128", "--recipe", str(recipe),
-            "--output-dir", str(tmp_path / "o")]  # fmt: skip
+    args = [
+        "--model",
+        str(MODEL_DIR),
+        "--calibration",
+        str(CALIBRATION_TEXT),
+        "--eval-text",
+        str(HELDOUT_TEXT),
+        "--eval-seq-len",
+        "128",
+        "--recipe",
+        str(recipe),
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
     assert whisper_prune(args) == 2
     assert "Use MaskedGPTQModifier" in capsys.readouterr().err
 
@@ -156,9 +182,26 @@ def test_gptq_recipes_run(tmp_path, stem):
 
     recipe = str(group_32_recipe(tmp_path, stem))  # groups of 128 divide no stories260K layer
     out = tmp_path / "ckpt"
-    args = ["--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT), "--eval-text",
-            str(HELDOUT_TEXT), "--num-sequences", "4", "--seq-len", "64", "--eval-seq-len",
-            "128", "--eval-windows", "2", "--skip-dense-eval", "--recipe", recipe,
-            "--output-dir", str(out)]  # fmt: skip
+    args = [
+        "--model",
+        str(MODEL_DIR),
+        "--calibration",
+        str(CALIBRATION_TEXT),
+        "--eval-text",
+        str(HELDOUT_TEXT),
+        "--num-sequences",
+        "4",
+        "--seq-len",
+        "64",
+        "--eval-seq-len",
+        "128",
+        "--eval-windows",
+        "2",
+        "--skip-dense-eval",
+        "--recipe",
+        recipe,
+        "--output-dir",
+        str(out),
+    ]
     assert whisper_prune(args) == 0
     assert zero_groups_over_two(load_checkpoint(out))[0] == 0

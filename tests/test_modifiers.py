@@ -28,8 +28,13 @@ from whisper_modifiers.statistics import pair_permutations
 TWO_FOUR = {"sparsity": 0.5, "mask_structure": "2:4"}
 STOCK_IGNORE = ["re:.*lm_head"]  # llmcompressor 0.14 names lm_head "lm_head."
 LAYER0 = "model.layers.0"
-ATTENTION_AND_DOWN = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                      "self_attn.o_proj", "mlp.down_proj"]  # fmt: skip
+ATTENTION_AND_DOWN = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.down_proj",
+]
 
 
 def assert_same_weights(a, b):

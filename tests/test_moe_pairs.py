@@ -26,10 +26,18 @@ GATE = "model.layers.0.mlp.experts.{}.gate_proj"
 @pytest.fixture(scope="module")
 def moe_source(tmp_path_factory, tokenizer):
     directory = tmp_path_factory.mktemp("qwen3moe")
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2,
-                            num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                            intermediate_size=128, moe_intermediate_size=64,
-                            num_experts=NUM_EXPERTS, num_experts_per_tok=1)  # fmt: skip
+    config = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=1,
+    )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -37,8 +45,14 @@ def moe_source(tmp_path_factory, tokenizer):
 
 
 def prune(source, tokenizer, calibration, recipe, **options):
-    return oneshot(model=str(source), dataset=calibration, tokenizer=tokenizer,
-                   recipe=[recipe], shuffle_calibration_samples=False, **options)  # fmt: skip
+    return oneshot(
+        model=str(source),
+        dataset=calibration,
+        tokenizer=tokenizer,
+        recipe=[recipe],
+        shuffle_calibration_samples=False,
+        **options,
+    )
 
 
 def routed_tokens(source, calibration) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -101,20 +115,29 @@ def test_expert_masks_equal_the_slow_reference(moe_source, tokenizer, calibratio
             if method == "wisp":
                 statistic = sum(d.square().sum(0) for d in differences).sqrt()
             else:
-                statistic = sum(loop_neuronwise(weight, d, recipe.pair_fraction)
-                                for d in differences if d.abs().sum() > 0)  # fmt: skip
+                statistic = sum(
+                    loop_neuronwise(weight, d, recipe.pair_fraction)
+                    for d in differences
+                    if d.abs().sum() > 0
+                )
             kept = two_four_kept(weight, weight.abs() * statistic)
             module = getattr(pruned.model.layers[0].mlp.experts[expert], part)
             assert torch.equal(module.weight != 0, kept), f"expert {expert} {part}"
 
 
 def expert_weights(model) -> dict[str, torch.Tensor]:
-    return {name: parameter.detach().clone() for name, parameter in model.named_parameters()
-            if ".experts." in name}  # fmt: skip
+    return {
+        name: parameter.detach().clone()
+        for name, parameter in model.named_parameters()
+        if ".experts." in name
+    }
 
 
-@pytest.mark.parametrize("options", [dict(batch_size=4), dict(moe_calibrate_all_experts=False)],
-                         ids=["batch_size_4", "routed_tokens_only"])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [dict(batch_size=4), dict(moe_calibrate_all_experts=False)],
+    ids=["batch_size_4", "routed_tokens_only"],
+)
 def test_pairs_depend_on_neither_batch_size_nor_what_experts_receive(
     moe_source, tokenizer, calibration, options
 ):
@@ -125,8 +148,10 @@ def test_pairs_depend_on_neither_batch_size_nor_what_experts_receive(
         WispModifier(sparsity=0.5, mask_structure="2:4"),
         WispModifier(sparsity=0.5, mask_structure="2:4"),
     )
-    masks = {n: w != 0 for n, w in expert_weights(prune(moe_source, tokenizer, calibration,
-                                                        recipe)).items()}  # fmt: skip
+    masks = {
+        n: w != 0
+        for n, w in expert_weights(prune(moe_source, tokenizer, calibration, recipe)).items()
+    }
     again = expert_weights(prune(moe_source, tokenizer, calibration, other, **options))
     # layer 0 only: a later layer's routing follows the earlier layers' outputs, which
     # llmcompressor computes with other GEMM shapes in these settings (a routing near-tie
@@ -136,8 +161,11 @@ def test_pairs_depend_on_neither_batch_size_nor_what_experts_receive(
         for name in masks
         if name.startswith("model.layers.0.") and not name.endswith("down_proj.weight")
     ]  # Wanda's: over what it receives
-    skips = {name: counts for name, counts in recipe.routing_skips().items()
-             if name.startswith("model.layers.0.")}  # fmt: skip
+    skips = {
+        name: counts
+        for name, counts in recipe.routing_skips().items()
+        if name.startswith("model.layers.0.")
+    }
     assert {name: other.routing_skips()[name] for name in skips} == skips
     assert first
     for name in first:
@@ -145,13 +173,15 @@ def test_pairs_depend_on_neither_batch_size_nor_what_experts_receive(
 
 
 @pytest.mark.parametrize("method", [WhisperModifier, WispModifier, WispPlusModifier])
-def test_experts_without_pairs_fall_back_to_the_baseline(moe_source, tokenizer, calibration,
-                                                         method):  # fmt: skip
+def test_experts_without_pairs_fall_back_to_the_baseline(
+    moe_source, tokenizer, calibration, method
+):
     """An expert that no sequence sends 2 tokens (one-token sequences) has no difference
     statistic: it is pruned with the baseline's (SparseGPT's H, Wanda's ||X_j||), with a
     warning: the weights of gamma 1, to exact 2:4."""
-    short = calibration.map(lambda row: {"input_ids": row["input_ids"][:1],
-                                         "attention_mask": row["attention_mask"][:1]})  # fmt: skip
+    short = calibration.map(
+        lambda row: {"input_ids": row["input_ids"][:1], "attention_mask": row["attention_mask"][:1]}
+    )
     recipe = method(sparsity=0.5, mask_structure="2:4")
     model = prune(moe_source, tokenizer, short, recipe)
     skips = recipe.routing_skips()
@@ -169,23 +199,30 @@ def test_pairs_that_vanish_count_as_none(moe_source, tokenizer, calibration):
     """Two-token sequences: an expert sent both tokens of a sequence may draw the identity
     permutation, whose differences are all zero; such a sequence adds nothing, and an
     expert left with nothing else falls back to H (no "difference Hessian is zero")."""
-    pair = calibration.map(lambda row: {"input_ids": row["input_ids"][:2],
-                                        "attention_mask": row["attention_mask"][:2]})  # fmt: skip
+    pair = calibration.map(
+        lambda row: {"input_ids": row["input_ids"][:2], "attention_mask": row["attention_mask"][:2]}
+    )
     model = prune(moe_source, tokenizer, pair, WhisperModifier(sparsity=0.5, mask_structure="2:4"))
     for name, weight in expert_weights(model).items():
         check_two_four(weight, name)
 
 
-@pytest.mark.parametrize("fields", [dict(gamma="auto"), dict(pairing="centered")],
-                         ids=["gamma_auto", "centered"])  # fmt: skip
-def test_expert_settings_without_routed_pairs_are_refused(moe_source, tokenizer, calibration,
-                                                          fields):  # fmt: skip
+@pytest.mark.parametrize(
+    "fields", [dict(gamma="auto"), dict(pairing="centered")], ids=["gamma_auto", "centered"]
+)
+def test_expert_settings_without_routed_pairs_are_refused(
+    moe_source, tokenizer, calibration, fields
+):
     with pytest.raises(
         ValueError,
         match=r"not available for MoE experts and the shared experts of MoE blocks \(model\.",
     ):
-        prune(moe_source, tokenizer, calibration,
-              WhisperModifier(sparsity=0.5, mask_structure="2:4", **fields))  # fmt: skip
+        prune(
+            moe_source,
+            tokenizer,
+            calibration,
+            WhisperModifier(sparsity=0.5, mask_structure="2:4", **fields),
+        )
 
 
 def test_experts_whose_routing_cannot_be_followed_are_refused():
@@ -196,8 +233,11 @@ def test_experts_whose_routing_cannot_be_followed_are_refused():
     model.mlp.experts[0].gate_proj = torch.nn.Linear(8, 8)
     refused = r"mlp\.experts\.0\.gate_proj is an MoE expert of a ModuleList, whose routing"
     with pytest.raises(ValueError, match=refused):
-        MoERouting().watch(model, [("mlp.experts.0.gate_proj", model.mlp.experts[0].gate_proj)],
-                           lambda *args, **kwargs: None)  # fmt: skip
+        MoERouting().watch(
+            model,
+            [("mlp.experts.0.gate_proj", model.mlp.experts[0].gate_proj)],
+            lambda *args, **kwargs: None,
+        )
 
 
 def test_flattened_block_input_refuses_the_batch(moe_source):

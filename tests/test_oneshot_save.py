@@ -29,9 +29,15 @@ pytestmark = pytest.mark.slow
 
 def run(recipe, calibration, tokenizer, output_dir=None, **kwargs):
     """``oneshot`` as a user calls it: a model directory, a dataset and a recipe."""
-    return oneshot(model=str(MODEL_DIR), dataset=calibration, recipe=recipe,
-                   tokenizer=tokenizer, output_dir=None if output_dir is None else
-                   str(output_dir), shuffle_calibration_samples=False, **kwargs)  # fmt: skip
+    return oneshot(
+        model=str(MODEL_DIR),
+        dataset=calibration,
+        recipe=recipe,
+        tokenizer=tokenizer,
+        output_dir=None if output_dir is None else str(output_dir),
+        shuffle_calibration_samples=False,
+        **kwargs,
+    )
 
 
 def whisper_2of4():
@@ -68,8 +74,10 @@ def test_oneshot_output_dir_saves_the_compressed_layout(tmp_path, calibration, t
     assert (out / "tokenizer_config.json").is_file()  # oneshot saves the tokenizer after
     check_checkpoint(out)
     pruned = {k: v for k, v in model.state_dict().items()}
-    for reloaded in (AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32),
-                     load_checkpoint(out)):  # fmt: skip
+    for reloaded in (
+        AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32),
+        load_checkpoint(out),
+    ):
         state = dense_state_dict(reloaded)  # a plain load keeps 2:4 compressed on a CPU
         assert state.keys() == pruned.keys()
         assert all(torch.equal(state[k], pruned[k]) for k in pruned)
@@ -119,14 +127,19 @@ def test_quantized_chains_store_their_8_bit_values_compressed(
 
 
 @pytest.mark.parametrize(("sparsity", "mask_structure"), [(0.5, "0:0"), (0.75, "3:4")])
-def test_other_sparsity_is_saved_in_the_bitmask_layout(tmp_path, calibration, tokenizer,
-                                                       sparsity, mask_structure):  # fmt: skip
+def test_other_sparsity_is_saved_in_the_bitmask_layout(
+    tmp_path, calibration, tokenizer, sparsity, mask_structure
+):
     """Unstructured and N:M other than 2:4: every pruned Linear in the bitmask layout
     (values, bitmask, row offsets), through oneshot's output_dir and save_pretrained alike,
     reloading as the model in memory; a W8A8 chain stores its 8-bit values so."""
     out = tmp_path / "out"
-    model = run([WhisperModifier(sparsity=sparsity, mask_structure=mask_structure)],
-                calibration, tokenizer, out)  # fmt: skip
+    model = run(
+        [WhisperModifier(sparsity=sparsity, mask_structure=mask_structure)],
+        calibration,
+        tokenizer,
+        out,
+    )
     again = tmp_path / "again"
     model.save_pretrained(again)
     pruned = model.state_dict()
@@ -142,9 +155,15 @@ def test_other_sparsity_is_saved_in_the_bitmask_layout(tmp_path, calibration, to
         assert state.keys() == pruned.keys()
         assert all(torch.equal(state[k], pruned[k]) for k in pruned)
     quantized = tmp_path / "w8a8"
-    run([WhisperModifier(sparsity=sparsity, mask_structure=mask_structure),
-         QuantizationModifier(targets=["Linear"], scheme="W8A8", ignore=["lm_head"])],
-        calibration, tokenizer, quantized)  # fmt: skip
+    run(
+        [
+            WhisperModifier(sparsity=sparsity, mask_structure=mask_structure),
+            QuantizationModifier(targets=["Linear"], scheme="W8A8", ignore=["lm_head"]),
+        ],
+        calibration,
+        tokenizer,
+        quantized,
+    )
     with safe_open(quantized / "model.safetensors", "pt") as tensors:
         values = tensors.get_tensor("model.layers.0.mlp.up_proj.compressed")
     assert values.dtype == torch.int8 and values.dim() == 1
@@ -175,15 +194,22 @@ def test_stock_modifiers_alone_save_what_llmcompressor_saves(tmp_path, calibrati
     """Importing this package does not change what a recipe of llmcompressor's own
     modifiers writes: their 2:4 checkpoint stays dense, with no record."""
     out = tmp_path / "stock"
-    run([SparseGPTModifier(sparsity=0.5, mask_structure="2:4", targets=["Linear"],
-                           ignore=["re:.*lm_head"])], calibration, tokenizer, out)  # fmt: skip
+    run(
+        [
+            SparseGPTModifier(
+                sparsity=0.5, mask_structure="2:4", targets=["Linear"], ignore=["re:.*lm_head"]
+            )
+        ],
+        calibration,
+        tokenizer,
+        out,
+    )
     config = json.loads((out / "config.json").read_text())
     assert (config.get("quantization_config") or {}).get("quant_method") != QUANT_METHOD
     assert not (out / RECORD_FILE).exists()
 
 
-def test_the_save_is_installed_through_on_finalize_not_a_patch(tmp_path, calibration,
-                                                                tokenizer):  # fmt: skip
+def test_the_save_is_installed_through_on_finalize_not_a_patch(tmp_path, calibration, tokenizer):
     """The save comes from our modifiers' own ``on_finalize`` (``finalize_hook``), with the
     whole recipe's modifiers: llmcompressor's lifecycle is left as the library wrote it, and
     a model our modifiers did not finalize keeps the save llmcompressor gave it."""
@@ -191,18 +217,28 @@ def test_the_save_is_installed_through_on_finalize_not_a_patch(tmp_path, calibra
 
     assert CompressionLifecycle.finalize.__module__ == "llmcompressor.core.lifecycle"
     assert not hasattr(CompressionLifecycle.finalize, saving._INSTALLED)
-    recipe = [whisper_2of4(), QuantizationModifier(targets="Linear", scheme="W8A8",
-                                                   ignore=["lm_head"])]  # fmt: skip
+    recipe = [
+        whisper_2of4(),
+        QuantizationModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
+    ]
     model = run(recipe, calibration, tokenizer)
     installed = getattr(model.save_pretrained, saving._INSTALLED)
     assert [type(m) for m in installed["modifiers"]] == [WhisperModifier, QuantizationModifier]
-    stock = run([SparseGPTModifier(sparsity=0.5, mask_structure="2:4", targets=["Linear"],
-                                   ignore=["re:.*lm_head"])], calibration, tokenizer)  # fmt: skip
+    stock = run(
+        [
+            SparseGPTModifier(
+                sparsity=0.5, mask_structure="2:4", targets=["Linear"], ignore=["re:.*lm_head"]
+            )
+        ],
+        calibration,
+        tokenizer,
+    )
     assert not hasattr(stock.save_pretrained, saving._INSTALLED)
 
 
-def test_a_failed_save_leaves_nothing_and_checks_come_first(tmp_path, calibration, tokenizer,
-                                                           monkeypatch):  # fmt: skip
+def test_a_failed_save_leaves_nothing_and_checks_come_first(
+    tmp_path, calibration, tokenizer, monkeypatch
+):
     model = run([whisper_2of4()], calibration, tokenizer)
     # interrupted while writing the 2:4 layout: no directory, no partial one
     out = tmp_path / "interrupted"

@@ -26,7 +26,7 @@ STOCK = {
     "gptq_w8a8": lambda: GPTQModifier(targets=["Linear"], scheme="W8A8", ignore=["lm_head"]),
     # no ignore: the LM head, after the last decoder layer, is quantized too
     "gptq_w8a8_with_lm_head": lambda: GPTQModifier(targets=["Linear"], scheme="W8A8"),
-}  # fmt: skip
+}
 
 
 def stock_oneshot(tokenizer, calibration, modifier, **kwargs) -> dict[str, torch.Tensor]:
@@ -37,8 +37,9 @@ def stock_oneshot(tokenizer, calibration, modifier, **kwargs) -> dict[str, torch
     from transformers import default_data_collator
 
     model = load_model()
-    loader = DataLoader(calibration.with_format("torch"), batch_size=1,
-                        collate_fn=default_data_collator)  # fmt: skip
+    loader = DataLoader(
+        calibration.with_format("torch"), batch_size=1, collate_fn=default_data_collator
+    )
     oneshot(model=model, tokenizer=tokenizer, dataset=loader, recipe=[modifier], **kwargs)
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
@@ -74,8 +75,9 @@ def test_a_model_whose_layers_are_no_chain_falls_back_in_one_line(tokenizer, cal
     sink = logger.add(messages.append, level="WARNING", format="{message}")
     try:
         kwargs = {"sequential_targets": ["LlamaMLP"]}
-        fallback = stock_oneshot(tokenizer, calibration, STOCK["wanda"](),
-                                 pipeline=PIPELINE_NAME, **kwargs)  # fmt: skip
+        fallback = stock_oneshot(
+            tokenizer, calibration, STOCK["wanda"](), pipeline=PIPELINE_NAME, **kwargs
+        )
     finally:
         logger.remove(sink)
     notes = [m for m in messages if m.startswith(PIPELINE_NAME)]
@@ -90,18 +92,33 @@ def test_a_bad_attention_setting_is_refused_before_any_work(monkeypatch, tokeniz
     monkeypatch.setenv("WHISPER_LAYERWISE_ATTENTION", "flash")
     model = load_model()
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    with pytest.raises(ValueError, match="WHISPER_LAYERWISE_ATTENTION must be one of auto, "
-                       "eager, model; got 'flash'"):  # fmt: skip
-        run_oneshot(model, tokenizer, calibration, build_recipe("wisp", 0.5, "2:4"),
-                    pipeline=PIPELINE_NAME)  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="WHISPER_LAYERWISE_ATTENTION must be one of auto, eager, model; got 'flash'",
+    ):
+        run_oneshot(
+            model, tokenizer, calibration, build_recipe("wisp", 0.5, "2:4"), pipeline=PIPELINE_NAME
+        )
     assert_same_state(before, model.state_dict())
 
 
 FAST = [
-    "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
-    "--num-sequences", "4", "--seq-len", "64", "--eval-text", str(HELDOUT_TEXT),
-    "--eval-seq-len", "128", "--eval-windows", "2", "--skip-dense-eval",
-]  # fmt: skip
+    "--model",
+    str(MODEL_DIR),
+    "--calibration",
+    str(CALIBRATION_TEXT),
+    "--num-sequences",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-text",
+    str(HELDOUT_TEXT),
+    "--eval-seq-len",
+    "128",
+    "--eval-windows",
+    "2",
+    "--skip-dense-eval",
+]
 
 
 def test_whisper_prune_chained_recipe_is_the_same_under_both_pipelines(monkeypatch, tmp_path):
@@ -112,8 +129,17 @@ def test_whisper_prune_chained_recipe_is_the_same_under_both_pipelines(monkeypat
     states = {}
     for pipeline in ("sequential", PIPELINE_NAME):
         out = tmp_path / pipeline
-        argv = [*FAST, "--recipe", "whisper_2of4_w8a8", "--layout", "dense",
-                "--pipeline", pipeline, "--output-dir", str(out)]  # fmt: skip
+        argv = [
+            *FAST,
+            "--recipe",
+            "whisper_2of4_w8a8",
+            "--layout",
+            "dense",
+            "--pipeline",
+            pipeline,
+            "--output-dir",
+            str(out),
+        ]
         assert whisper_prune(argv) == 0
         report = json.loads((out / REPORT_FILE).read_text())
         assert report["calibration"]["pipeline"] == pipeline

@@ -59,16 +59,20 @@ def calibration_of(tokenizer, sequences: int):
 def tiny_llama(directory, tokenizer, hidden: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=256)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return tiny_model(directory / f"llama{hidden}", tokenizer, LlamaForCausalLM, config)
 
 
 @pytest.mark.parametrize("method", ["wanda", "wisp", "wisp_plus"])
-def test_nm_selection_calls_topk_a_fixed_number_of_times_per_module(
-    tmp_path, tokenizer, method
-):  # fmt: skip
+def test_nm_selection_calls_topk_a_fixed_number_of_times_per_module(tmp_path, tokenizer, method):
     from transformers import AutoModelForCausalLM
 
     from whisper_modifiers.methods import build_recipe, run_oneshot
@@ -78,8 +82,9 @@ def test_nm_selection_calls_topk_a_fixed_number_of_times_per_module(
     for hidden in (64, 256):
         model = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path, tokenizer, hidden))
         recipe = build_recipe(method, 0.5, "2:4")
-        calls = op_calls(lambda m=model, r=recipe: run_oneshot(m, tokenizer, calibration, r),
-                         "aten::topk")  # fmt: skip
+        calls = op_calls(
+            lambda m=model, r=recipe: run_oneshot(m, tokenizer, calibration, r), "aten::topk"
+        )
         per_module[hidden] = calls / 7  # q, k, v, o, gate, up, down
     assert per_module[64] == per_module[256], per_module
     assert per_module[64] <= 4, per_module
@@ -95,5 +100,6 @@ def test_a_oneshot_run_reads_no_tensor_per_calibration_sequence(tokenizer, metho
         recipe = build_recipe(method, 0.5, "2:4")
         reads[sequences] = op_calls(
             lambda m=model, c=calibration, r=recipe: run_oneshot(m, tokenizer, c, r),
-            "aten::_local_scalar_dense")  # fmt: skip
+            "aten::_local_scalar_dense",
+        )
     assert reads[4] == reads[8], reads

@@ -18,9 +18,18 @@ from whisper_modifiers.evaluation import perplexity
 CHAINS = ("w8a8", "fp8", "w4a16", "gptq_w4a16")
 RECIPE_FILES = sorted(p for p in RECIPES.glob("*.yaml") if not p.stem.endswith(CHAINS))
 METHODS = [
-    "magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper",
-    "ria", "ria_wisp", "ria_wisp_plus", "alps", "alps_whisper",
-]  # fmt: skip
+    "magnitude",
+    "wanda",
+    "wisp",
+    "wisp_plus",
+    "sparsegpt",
+    "whisper",
+    "ria",
+    "ria_wisp",
+    "ria_wisp_plus",
+    "alps",
+    "alps_whisper",
+]
 
 
 AUTO = ("whisper", "wisp", "wisp_plus")  # gamma: auto at 2:4

@@ -65,8 +65,9 @@ def test_spread_rows_keeps_every_value_at_its_row(gap):
     assert torch.equal(blocked[0], spread) and torch.equal(blocked[1], offsets)
 
 
-needs_kernels = pytest.mark.skipif(kernels.cpu_kernels_unavailable() is not None,
-                                   reason="the CPU op does not run here")  # fmt: skip
+needs_kernels = pytest.mark.skipif(
+    kernels.cpu_kernels_unavailable() is not None, reason="the CPU op does not run here"
+)
 
 
 @needs_kernels
@@ -84,14 +85,17 @@ def test_the_op_reads_spread_rows_exactly(dtype, path):
             weight = integer_sparse(rows, columns, sparsity, dtype, generator)
             values, bitmask, row_offsets = compress_bitmask(weight)
             spread, offsets = spread_rows(values, row_offsets, gap)
-            assert torch.equal(kernels.bitmask_decompress_cpu(spread, bitmask, offsets, columns),
-                               weight)  # fmt: skip
+            assert torch.equal(
+                kernels.bitmask_decompress_cpu(spread, bitmask, offsets, columns), weight
+            )
             for tokens in (1, 2, 5, 17, 70):
                 x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(dtype)
-                plain = kernels.bitmask_cpu_linear(x, values, bitmask, row_offsets, None, columns,
-                                                   thresholds)  # fmt: skip
-                got = kernels.bitmask_cpu_linear(x, spread, bitmask, offsets, None, columns,
-                                                 thresholds)  # fmt: skip
+                plain = kernels.bitmask_cpu_linear(
+                    x, values, bitmask, row_offsets, None, columns, thresholds
+                )
+                got = kernels.bitmask_cpu_linear(
+                    x, spread, bitmask, offsets, None, columns, thresholds
+                )
                 assert torch.equal(got, plain), (rows, columns, sparsity, tokens)
 
 
@@ -109,7 +113,8 @@ def test_the_served_module_spreads_rows_near_4kib():
         for row in range(16):  # exactly (1 - sparsity) of each row kept
             kept = torch.randperm(4096, generator=generator)[: round((1 - sparsity) * 4096)]
             weight[row, kept] = torch.randint(1, 4, (kept.numel(),), generator=generator).to(
-                torch.bfloat16)  # fmt: skip
+                torch.bfloat16
+            )
         values, bitmask, row_offsets = compress_bitmask(weight)
         layer = served_layer(values, bitmask, 4096, row_offsets, "layer", grouped=False)
         module = CpuSparseLinear.serving(layer)

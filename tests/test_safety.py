@@ -58,10 +58,20 @@ def workspace(tmp_path):
 
 def argv(root: Path, output, *extra, model=None):
     return [
-        "--model", str(model or root / "models" / "stories260K"),
-        "--calibration", str(root / "calibration.txt"), "--eval-text", str(root / "eval.txt"),
-        *DATA, "--skip-dense-eval", "--recipe", "wanda_2of4", "--output-dir", str(output), *extra,
-    ]  # fmt: skip
+        "--model",
+        str(model or root / "models" / "stories260K"),
+        "--calibration",
+        str(root / "calibration.txt"),
+        "--eval-text",
+        str(root / "eval.txt"),
+        *DATA,
+        "--skip-dense-eval",
+        "--recipe",
+        "wanda_2of4",
+        "--output-dir",
+        str(output),
+        *extra,
+    ]
 
 
 def sentinel_model(directory: Path) -> Path:
@@ -196,11 +206,17 @@ def test_bad_input_fails_fast_with_the_flag(tmp_path, capsys, monkeypatch, case,
     evaluation = _write(tmp_path / "eval.txt", HELDOUT_TEXT.read_bytes())
     out = tmp_path / "out"
     options = {
-        "--model": str(model), "--calibration": str(calibration),
-        "--eval-text": str(evaluation), "--recipe": "wisp_2of4", "--output-dir": str(out),
-        "--num-sequences": "4", "--seq-len": "64", "--eval-seq-len": "128",
-        "--eval-windows": "2", "--seed": "0",
-    }  # fmt: skip
+        "--model": str(model),
+        "--calibration": str(calibration),
+        "--eval-text": str(evaluation),
+        "--recipe": "wisp_2of4",
+        "--output-dir": str(out),
+        "--num-sequences": "4",
+        "--seq-len": "64",
+        "--eval-seq-len": "128",
+        "--eval-windows": "2",
+        "--seed": "0",
+    }
     recipe = tmp_path / "recipe.yaml"
     if case == "calibration_missing":
         options["--calibration"] = str(tmp_path / "nope.txt")
@@ -213,9 +229,13 @@ def test_bad_input_fails_fast_with_the_flag(tmp_path, capsys, monkeypatch, case,
     elif case == "eval_short":
         _write(evaluation, b"The end.")
     elif case in ("eval_windows", "num_sequences", "seq_len", "eval_seq_len", "seed"):
-        options["--" + case.replace("_", "-")] = {"eval_windows": "-2", "num_sequences": "0",
-                                                  "seq_len": "1", "eval_seq_len": "1",
-                                                  "seed": "-1"}[case]  # fmt: skip
+        options["--" + case.replace("_", "-")] = {
+            "eval_windows": "-2",
+            "num_sequences": "0",
+            "seq_len": "1",
+            "eval_seq_len": "1",
+            "seed": "-1",
+        }[case]
     elif case == "positions":
         options["--seq-len"] = "1024"
     elif case in ("recipe_empty", "recipe_no_modifier", "recipe_seed", "difference_targets"):
@@ -269,8 +289,15 @@ def exit_code(cli, args) -> int:
 )
 def test_bad_diagnose_input_fails_fast(tmp_path, capsys, extra, message):
     model = sentinel_model(tmp_path / "model")
-    args = ["--model", str(model), "--calibration", str(CALIBRATION_TEXT),
-            "--out", str(tmp_path / "d"), *extra]  # fmt: skip
+    args = [
+        "--model",
+        str(model),
+        "--calibration",
+        str(CALIBRATION_TEXT),
+        "--out",
+        str(tmp_path / "d"),
+        *extra,
+    ]
     assert exit_code(whisper_diagnose, args) == 2
     err = capsys.readouterr().err
     assert "whisper-diagnose: error: " in err and message in err, err
@@ -348,12 +375,23 @@ def nan_model(tmp_path_factory):
         "sparsegpt_2of4",
         "wisp_2of4",
         "whisper_2of4",
-    ],  # fmt: skip
+    ],
 )
 def test_nan_weights_are_refused_before_pruning(nan_model, tmp_path, capsys, recipe):
     out = tmp_path / "out"
-    args = ["--model", str(nan_model), "--calibration", str(CALIBRATION_TEXT), "--eval-text",
-            str(HELDOUT_TEXT), *DATA, "--recipe", recipe, "--output-dir", str(out)]  # fmt: skip
+    args = [
+        "--model",
+        str(nan_model),
+        "--calibration",
+        str(CALIBRATION_TEXT),
+        "--eval-text",
+        str(HELDOUT_TEXT),
+        *DATA,
+        "--recipe",
+        recipe,
+        "--output-dir",
+        str(out),
+    ]
     assert whisper_prune(args) == 2
     err = capsys.readouterr().err
     assert "model.layers.2.mlp.up_proj.weight holds 1 NaN or inf" in err
@@ -421,8 +459,11 @@ def test_signal_during_save_leaves_nothing(workspace, signal_name, code):
     out = workspace / "ckpt"
     done = subprocess.run(
         [sys.executable, "-c", _KILLED_DURING_SAVE, signal_name, *argv(workspace, out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode != 0 and (code is None or done.returncode == code), done.stderr[-2000:]
     assert "NOT STOPPED" not in done.stderr, done.stderr[-2000:]
     assert not out.exists()
@@ -460,9 +501,20 @@ def test_serving_refuses_what_a_killed_run_left(workspace):
 
 
 def prune_argv(output: Path, model: Path = MODEL_DIR) -> list[str]:
-    return ["--model", str(model), "--recipe", "wanda_2of4", "--calibration",
-            str(CALIBRATION_TEXT), "--eval-text", str(HELDOUT_TEXT), *DATA,
-            "--skip-dense-eval", "--output-dir", str(output)]  # fmt: skip
+    return [
+        "--model",
+        str(model),
+        "--recipe",
+        "wanda_2of4",
+        "--calibration",
+        str(CALIBRATION_TEXT),
+        "--eval-text",
+        str(HELDOUT_TEXT),
+        *DATA,
+        "--skip-dense-eval",
+        "--output-dir",
+        str(output),
+    ]
 
 
 def test_a_model_directory_without_weights_is_refused(tmp_path, capsys):

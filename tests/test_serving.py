@@ -98,8 +98,14 @@ def missing_ops(ckpt) -> list[str]:
 def in_serving_env(script: str, env=None) -> subprocess.CompletedProcess:
     """``script`` run by the serving environment's Python (away from the repository, so
     that it imports the installed package)."""
-    return subprocess.run([str(serving_python()), "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=tempfile.gettempdir(), env=env)  # fmt: skip
+    return subprocess.run(
+        [str(serving_python()), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tempfile.gettempdir(),
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -137,12 +143,28 @@ def checkpoint(tmp_path_factory, source_model):
         if (recipe, layout) not in built:
             out = tmp_path_factory.mktemp(recipe) / "ckpt"
             argv = [
-                "--model", str(source_model), "--recipe", recipe, "--output-dir", str(out),
-                "--layout", layout,
-                "--calibration", str(SHARED / "data" / "wikitext-2" / "valid.txt"),
-                "--num-sequences", "8", "--seq-len", "128", "--eval-text", str(EVAL_TEXT),
-                "--eval-seq-len", str(EVAL_LEN), "--eval-windows", "1", "--skip-dense-eval",
-            ]  # fmt: skip
+                "--model",
+                str(source_model),
+                "--recipe",
+                recipe,
+                "--output-dir",
+                str(out),
+                "--layout",
+                layout,
+                "--calibration",
+                str(SHARED / "data" / "wikitext-2" / "valid.txt"),
+                "--num-sequences",
+                "8",
+                "--seq-len",
+                "128",
+                "--eval-text",
+                str(EVAL_TEXT),
+                "--eval-seq-len",
+                str(EVAL_LEN),
+                "--eval-windows",
+                "1",
+                "--skip-dense-eval",
+            ]
             assert whisper_prune(argv) == 0
             built[recipe, layout] = out
         return built[recipe, layout]
@@ -168,8 +190,15 @@ def assert_vllm_computes_as(model, ckpt, tokenizer, eval_windows, enforce_eager=
     greedy tokens on ``PROMPTS`` and its log-likelihoods on ``eval_windows``, not only the
     same argmax. Returns vLLM's answer."""
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    served = run_vllm(ckpt, prompts=prompts, score=eval_windows, max_tokens=16, dtype="float32",
-                      timeout=VLLM_TIMEOUT, enforce_eager=enforce_eager)  # fmt: skip
+    served = run_vllm(
+        ckpt,
+        prompts=prompts,
+        score=eval_windows,
+        max_tokens=16,
+        dtype="float32",
+        timeout=VLLM_TIMEOUT,
+        enforce_eager=enforce_eager,
+    )
     for ids, vllm_tokens in zip(prompts, served["completions"], strict=True):
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
@@ -190,12 +219,15 @@ def reloaded_as_the_dense_layout(checkpoint, recipe: str, bytes_ratio: float):
     assert sizes["compressed_bytes"] <= bytes_ratio * sizes["dense_bytes"]
     whole = (ckpt / "model.safetensors").stat().st_size
     dense = (checkpoint(recipe, "dense") / "model.safetensors").stat().st_size
-    print(f"\nSmolLM2-135M ({SERVED_LAYERS} layers) {recipe} compressed: Linear weights "
-          f"{sizes['compressed_bytes'] / sizes['dense_bytes']:.3f}x dense; checkpoint "
-          f"{whole / 2**20:.0f} MiB vs {dense / 2**20:.0f} MiB ({whole / dense:.3f}x)")  # fmt: skip
+    print(
+        f"\nSmolLM2-135M ({SERVED_LAYERS} layers) {recipe} compressed: Linear weights "
+        f"{sizes['compressed_bytes'] / sizes['dense_bytes']:.3f}x dense; checkpoint "
+        f"{whole / 2**20:.0f} MiB vs {dense / 2**20:.0f} MiB ({whole / dense:.3f}x)"
+    )
     model = load_checkpoint(ckpt).eval()
-    pruned = AutoModelForCausalLM.from_pretrained(checkpoint(recipe, "dense"),
-                                                  dtype=torch.float32).state_dict()  # fmt: skip
+    pruned = AutoModelForCausalLM.from_pretrained(
+        checkpoint(recipe, "dense"), dtype=torch.float32
+    ).state_dict()
     plain = dense_state_dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32))
     for reloaded in (model.state_dict(), plain):
         assert reloaded.keys() == pruned.keys()
@@ -213,7 +245,8 @@ def test_whisper_2of4_greedy_tokens_equal_transformers(checkpoint, tokenizer, ev
 
 
 def test_whisper_50_is_stored_in_the_bitmask_layout_and_served_as_transformers_computes(
-        checkpoint, tokenizer, eval_windows):  # fmt: skip
+    checkpoint, tokenizer, eval_windows
+):
     """The paper's 50 % Whisper (unstructured): every decoder Linear stored in the bitmask
     layout, under 0.58x its dense bytes, reloaded bit-identical to the dense layout, and
     served by the plugin (the CPU op on its rows on x86) with transformers' greedy tokens
@@ -230,8 +263,9 @@ def test_whisper_50_is_stored_in_the_bitmask_layout_and_served_as_transformers_c
 
 
 @pytest.mark.parametrize("recipe", ["whisper_2of4", "whisper_50"])
-def test_vllms_default_compiled_engine_serves_both_layouts(checkpoint, tokenizer, eval_windows,
-                                                           recipe):  # fmt: skip
+def test_vllms_default_compiled_engine_serves_both_layouts(
+    checkpoint, tokenizer, eval_windows, recipe
+):
     """Without ``enforce_eager``, vLLM compiles the model (on a CPU: torch.compile with
     inductor, traced once): the plugin's layers stay in the compiled graph (the CPU op is a
     torch.library op with a fake kernel) and the 2:4 and 50 % checkpoints (their layout and
@@ -252,8 +286,9 @@ def test_vllms_default_compiled_engine_serves_both_layouts(checkpoint, tokenizer
         ("whisper_2of4_w4a16", "pack-quantized", None),
     ],
 )
-def test_quantized_chains_are_served(checkpoint, eval_windows, recipe, quant_format, isa_cap,
-                                     monkeypatch, capsys, source_model):  # fmt: skip
+def test_quantized_chains_are_served(
+    checkpoint, eval_windows, recipe, quant_format, isa_cap, monkeypatch, capsys, source_model
+):
     if isa_cap:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa_cap)
     ckpt = checkpoint(recipe)  # W8A8, FP8: compressed 2:4 of 8-bit values; W4A16: dense
@@ -410,17 +445,23 @@ def test_openai_server_answers_completions(checkpoint, tokenizer, tmp_path, caps
     assert "vllm.entrypoints.openai.api_server --model" in command
     dtype = serving_dtype(ckpt)  # auto: unquantized
     # served under the name given here and under the directory's name
-    assert command.endswith(f"--port 8123 --dtype {dtype} --served-model-name {ckpt} ckpt "
-                            "--enforce-eager --max-num-seqs 2")  # fmt: skip
+    assert command.endswith(
+        f"--port 8123 --dtype {dtype} --served-model-name {ckpt} ckpt "
+        "--enforce-eager --max-num-seqs 2"
+    )
     assert names == f"requests name the model {str(ckpt)!r} (or 'ckpt')"
     ids = tokenizer(PROMPTS[0])["input_ids"]
     with torch.no_grad():
-        expected = load_checkpoint(ckpt).eval().generate(torch.tensor([ids]), max_new_tokens=8,
-                                                         do_sample=False)  # fmt: skip
+        expected = (
+            load_checkpoint(ckpt)
+            .eval()
+            .generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+        )
     expected = tokenizer.decode(expected[0, len(ids) :], skip_special_tokens=True)
 
-    with Server(ckpt, max_model_len=256, log=tmp_path / "server.log",
-                start_timeout=VLLM_TIMEOUT) as server:  # fmt: skip
+    with Server(
+        ckpt, max_model_len=256, log=tmp_path / "server.log", start_timeout=VLLM_TIMEOUT
+    ) as server:
         assert server.get("/v1/models")["data"][0]["id"] == str(ckpt) == server.model_name
         texts = []
         for prompt in [PROMPTS[0], PROMPTS[1], PROMPTS[0]]:  # three requests, no more
@@ -430,16 +471,20 @@ def test_openai_server_answers_completions(checkpoint, tokenizer, tmp_path, caps
         assert all(texts) and texts[0] == texts[2]  # greedy: the same prompt, the same text
         assert texts[0] == expected  # 8 tokens (greedy, no end of text) as transformers'
         # a real client: the openai package against the OpenAI-compatible server
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120,
-                               max_retries=0)  # fmt: skip
-        completion = client.completions.create(model="ckpt", prompt=PROMPTS[0], max_tokens=8,
-                                               temperature=0.0)  # the directory's name  # fmt: skip
+        client = openai.OpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0
+        )
+        completion = client.completions.create(
+            model="ckpt", prompt=PROMPTS[0], max_tokens=8, temperature=0.0
+        )  # the directory's name
         assert completion.choices[0].text == texts[0]
         assert completion.usage.completion_tokens == 8
         chat = client.chat.completions.create(
-            model=str(ckpt), max_tokens=8, temperature=0.0,
+            model=str(ckpt),
+            max_tokens=8,
+            temperature=0.0,
             messages=[{"role": "user", "content": "What is the capital of France?"}],
-        )  # fmt: skip
+        )
         assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
         assert chat.usage.prompt_tokens > 8  # the chat template wrapped the question
         process = server.process
@@ -461,20 +506,24 @@ def test_serve_small_example(tmp_path, monkeypatch, capsys, source_model):
 
 
 @pytest.mark.parametrize("recipe", ["whisper_2of4", "whisper_50"])
-def test_stock_vllm_refuses_the_compressed_format_naming_the_plugin(checkpoint, monkeypatch,
-                                                                    recipe):  # fmt: skip
+def test_stock_vllm_refuses_the_compressed_format_naming_the_plugin(
+    checkpoint, monkeypatch, recipe
+):
     monkeypatch.setenv("VLLM_PLUGINS", "none")  # vLLM loads no general plugin: stock vLLM
     with pytest.raises(RuntimeError, match=f"Unknown quantization method: {QUANT_METHOD}"):
-        run_vllm(checkpoint(recipe), prompts=[[1, 2, 3]], max_tokens=1,
-                 timeout=VLLM_TIMEOUT)  # fmt: skip
+        run_vllm(checkpoint(recipe), prompts=[[1, 2, 3]], max_tokens=1, timeout=VLLM_TIMEOUT)
 
 
-@pytest.mark.parametrize("recipe, legacy_format, structure", [
-    ("whisper_2of4", "sparse-24-bitmask", "2:4"),
-    ("whisper_50", "sparse-bitmask", "unstructured"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe, legacy_format, structure",
+    [
+        ("whisper_2of4", "sparse-24-bitmask", "2:4"),
+        ("whisper_50", "sparse-bitmask", "unstructured"),
+    ],
+)
 def test_legacy_compressed_tensors_sparsity_is_served_through_the_plugin(
-        checkpoint, tokenizer, tmp_path, recipe, legacy_format, structure):  # fmt: skip
+    checkpoint, tokenizer, tmp_path, recipe, legacy_format, structure
+):
     """compressed-tensors < 0.15 wrote the same tensors (2:4's and the bitmask layout's)
     under a legacy declaration, which stock vLLM refuses; the plugin claims it
     (override_quantization_method)."""
@@ -484,10 +533,15 @@ def test_legacy_compressed_tensors_sparsity_is_served_through_the_plugin(
     config = json.loads((legacy / "config.json").read_text())
     config.pop("transformers_weights")  # compressed-tensors wrote no guard
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "dense",
-        "sparsity_config": {"format": legacy_format, "sparsity_structure": structure,
-                            "targets": ["Linear"], "ignore": ["lm_head"]},
-    }  # fmt: skip
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "sparsity_config": {
+            "format": legacy_format,
+            "sparsity_structure": structure,
+            "targets": ["Linear"],
+            "ignore": ["lm_head"],
+        },
+    }
     (legacy / "config.json").write_text(json.dumps(config))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     ours = run_vllm(ckpt, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)["completions"]
@@ -508,8 +562,9 @@ def test_checkpoints_of_the_first_method_name_are_served(checkpoint, tokenizer, 
     (first / "config.json").write_text(json.dumps(config))
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     ours = run_vllm(ckpt, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)["completions"]
-    assert run_vllm(first, prompts=prompts, max_tokens=8,
-                    timeout=VLLM_TIMEOUT)["completions"] == ours  # fmt: skip
+    assert (
+        run_vllm(first, prompts=prompts, max_tokens=8, timeout=VLLM_TIMEOUT)["completions"] == ours
+    )
 
 
 def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
@@ -533,8 +588,9 @@ def test_plugin_refuses_a_tensor_parallel_shard_that_splits_groups():
     assert "ACCEPTED 172 inputs at tensor-parallel size 1" in done.stdout
 
 
-def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, tmp_path,
-                                                                   monkeypatch):  # fmt: skip
+def test_correctness_harness_compares_compressed_and_dense_in_vllm(
+    checkpoint, tmp_path, monkeypatch
+):
     """benchmarks/vllm_correctness.py on a whisper-prune checkpoint, in the plugin's
     ``sparse`` mode (after the other tests' engines ran in ``auto``: a mode switch on one
     machine): the compressed layout runs the 2:4 CPU op (cuSPARSELt on a GPU), the dense
@@ -545,9 +601,22 @@ def test_correctness_harness_compares_compressed_and_dense_in_vllm(checkpoint, t
     sys.path.insert(0, str(REPO / "benchmarks"))
     harness = runpy.run_path(str(REPO / "benchmarks" / "vllm_correctness.py"))
     ckpt = checkpoint("whisper_2of4")
-    argv = ["--checkpoints", str(ckpt), "--prompts", "2", "--prompt-len", "32",
-            "--max-tokens", "4", "--dtype", "float32", "--out", str(tmp_path),
-            "--timeout", str(VLLM_TIMEOUT)]  # fmt: skip
+    argv = [
+        "--checkpoints",
+        str(ckpt),
+        "--prompts",
+        "2",
+        "--prompt-len",
+        "32",
+        "--max-tokens",
+        "4",
+        "--dtype",
+        "float32",
+        "--out",
+        str(tmp_path),
+        "--timeout",
+        str(VLLM_TIMEOUT),
+    ]
     assert harness["main"](argv) == 0
     (row,) = json.loads((tmp_path / "vllm_correctness.json").read_text())["rows"].values()
     assert row["equal_prompts"] == row["prompts"] == 2 and row["first_difference"] is None
@@ -567,18 +636,41 @@ def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
     GEMM and no byte ratio is claimed."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     speed = runpy.run_path(str(REPO / "benchmarks" / "vllm_speed.py"))
-    argv = ["--shape", "tiny", "--layers", "2", "--dtype", "float32", "--modes", "sparse",
-            "--sparsity", "2:4", "0.5", "--workloads", "prefill:2x64", "decode:2x8",
-            "--repeats", "1", "--rounds", "1", "--profile", "--enforce-eager",
-            "--timeout", str(VLLM_TIMEOUT), "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--shape",
+        "tiny",
+        "--layers",
+        "2",
+        "--dtype",
+        "float32",
+        "--modes",
+        "sparse",
+        "--sparsity",
+        "2:4",
+        "0.5",
+        "--workloads",
+        "prefill:2x64",
+        "decode:2x8",
+        "--repeats",
+        "1",
+        "--rounds",
+        "1",
+        "--profile",
+        "--enforce-eager",
+        "--timeout",
+        str(VLLM_TIMEOUT),
+        "--out",
+        str(tmp_path),
+    ]
     assert speed["main"](argv) == 0
     engines = json.loads((tmp_path / "vllm_speed.json").read_text())["results"]
     assert list(engines) == ["dense@0", "2:4 sparse@0", "50% sparse@0"]
     dense, sparse24, unstructured = engines.values()
     assert dense["weights"]["layers"] == 0
     shapes = [(384, 128), (128, 128), (512, 128), (128, 256)]  # qkv, o, gate_up, down
-    bitmask_bytes = sum(rows * columns * 2 + rows * columns // 8 + rows * 8
-                        for rows, columns in shapes)  # fmt: skip
+    bitmask_bytes = sum(
+        rows * columns * 2 + rows * columns // 8 + rows * 8 for rows, columns in shapes
+    )
     bitmask_ratio = bitmask_bytes / sum(rows * columns * 4 for rows, columns in shapes)
     assert unstructured["weights"]["layers"] == 8
     # qkv_proj, o_proj, gate_up_proj and down_proj of each of the 2 layers, float32
@@ -604,8 +696,9 @@ def test_engine_speed_benchmark_runs_one_engine_per_process(tmp_path):
     steps = sparse24["engine"]["max_model_len"]  # no graphs on a CPU; steps of whole prompts
     assert sparse24["graphs"]["max_num_batched_tokens"] >= steps
     row = f"| 2:4 sparse | 0 | eager / {sparse24['graphs']['max_num_batched_tokens']} |"
-    expected = [f"{row} 0.53× |"] if op else [f"{row} packed by vLLM's CPU GEMM |",
-                                              f"{row} 1.00× |"]  # fmt: skip
+    expected = (
+        [f"{row} 0.53× |"] if op else [f"{row} packed by vLLM's CPU GEMM |", f"{row} 1.00× |"]
+    )
     assert any(cell in table for cell in expected), table
     assert "## Profile: 2:4 sparse@0, decode:2x8" in table
     assert "| 50% sparse | 0 |" in table and "compressed 2:4, 50% against dense" in table
@@ -721,8 +814,14 @@ def test_vllm_started_directly_names_a_wrong_compressed_tensor(checkpoint, tmp_p
     key = "model.layers.2.mlp.up_proj.compressed"
     tensors[key] = tensors[key][:, :-4].contiguous()
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
-    request = {"model": str(bad), "dtype": "float32", "max_model_len": 8, "max_tokens": 1,
-               "prompts": [[1, 2, 3]], "score": []}  # fmt: skip
+    request = {
+        "model": str(bad),
+        "dtype": "float32",
+        "max_model_len": 8,
+        "max_tokens": 1,
+        "prompts": [[1, 2, 3]],
+        "score": [],
+    }
     with pytest.raises(
         RuntimeError, match=r"model\.layers\.2\.mlp\.gate_up_proj\.compressed \(part 1\) has shape"
     ):
@@ -777,8 +876,9 @@ def test_tensor_parallel_two_gives_the_tokens_of_one(tmp_path, monkeypatch):
         shutil.copy(MODEL_DIR / name, ckpt / name)  # stories260K's: the same 512 tokens
     monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "sparse")
     prompts, scored = [[1, 5, 9, 20, 33], [1, 40, 41, 42, 43, 44]], [list(range(1, 120, 3))]
-    kwargs = dict(prompts=prompts, score=scored, max_tokens=8, dtype="float32",
-                  timeout=VLLM_TIMEOUT)  # fmt: skip
+    kwargs = dict(
+        prompts=prompts, score=scored, max_tokens=8, dtype="float32", timeout=VLLM_TIMEOUT
+    )
     one = run_vllm(ckpt, **kwargs)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() >= 2 else "0|0")
     two = run_vllm(ckpt, tensor_parallel_size=2, **kwargs)

@@ -31,10 +31,22 @@ from whisper_sparse.format.checkpoint import REPORT_FILE, check_checkpoint
 from whisper_sparse.format.declaration import STOCK_LOADER_GUARD
 
 FAST = [
-    "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
-    "--num-sequences", "4", "--seq-len", "64", "--eval-text", str(HELDOUT_TEXT),
-    "--eval-seq-len", "128", "--eval-windows", "2", "--skip-dense-eval",
-]  # fmt: skip
+    "--model",
+    str(MODEL_DIR),
+    "--calibration",
+    str(CALIBRATION_TEXT),
+    "--num-sequences",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-text",
+    str(HELDOUT_TEXT),
+    "--eval-seq-len",
+    "128",
+    "--eval-windows",
+    "2",
+    "--skip-dense-eval",
+]
 
 
 def random_two_four(rows=8, columns=32, seed=0) -> torch.Tensor:
@@ -97,9 +109,11 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
     assert sizes["compressed_bytes"] <= 0.56 * sizes["dense_bytes"]
     whole = (compressed / "model.safetensors").stat().st_size
     dense_whole = (dense / "model.safetensors").stat().st_size
-    print(f"\nstories260K Whisper 2:4: 2:4 Linear weights {sizes['compressed_bytes']} B "
-          f"compressed vs {sizes['dense_bytes']} B dense; checkpoint {whole} vs "
-          f"{dense_whole} B ({whole / dense_whole:.3f}x)")  # fmt: skip
+    print(
+        f"\nstories260K Whisper 2:4: 2:4 Linear weights {sizes['compressed_bytes']} B "
+        f"compressed vs {sizes['dense_bytes']} B dense; checkpoint {whole} vs "
+        f"{dense_whole} B ({whole / dense_whole:.3f}x)"
+    )
     ours, reference = load_checkpoint(compressed).state_dict(), load_checkpoint(dense).state_dict()
     assert ours.keys() == reference.keys()
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
@@ -140,8 +154,9 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
         "import sys; from transformers import AutoModelForCausalLM as M; "
         "assert 'whisper_modifiers' not in sys.modules; M.from_pretrained(sys.argv[1])"
     )
-    done = subprocess.run([sys.executable, "-c", stock, str(compressed)], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", stock, str(compressed)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 1
     assert "ValueError" in done.stderr and "whisper-sparse" in done.stderr
 
@@ -180,10 +195,11 @@ quant_stage:
     [
         ("whisper_2of4_w4a16", "packs weights to fewer bits"),
         ("quantization only", "recipe has no pruning modifier"),
-    ],  # fmt: skip
+    ],
 )
-def test_compressed_layout_needs_a_pruning_recipe_of_8_bit_values(tmp_path, capsys, recipe,
-                                                                   message):  # fmt: skip
+def test_compressed_layout_needs_a_pruning_recipe_of_8_bit_values(
+    tmp_path, capsys, recipe, message
+):
     if recipe.endswith("w4a16"):  # groups of 128 would quantize no stories260K layer
         recipe = str(group_32_recipe(tmp_path, recipe))
     else:
@@ -283,17 +299,22 @@ def test_our_checkpoints_as_model(tmp_path, capsys):
     first = tmp_path / "first"
     assert whisper_prune([*FAST, "--recipe", "whisper_2of4", "--output-dir", str(first)]) == 0
     again = [a if a != str(MODEL_DIR) else str(first) for a in FAST]
-    assert whisper_prune([*again, "--recipe", "wanda_2of4", "--output-dir",
-                          str(tmp_path / "again")]) == 0  # fmt: skip
+    assert (
+        whisper_prune([*again, "--recipe", "wanda_2of4", "--output-dir", str(tmp_path / "again")])
+        == 0
+    )
     assert check_checkpoint(tmp_path / "again")["quantization_config"]["quant_method"] == (
         QUANT_METHOD
     )
     quantized = tmp_path / "w8a8"
-    assert whisper_prune([*FAST, "--recipe", "whisper_2of4_w8a8", "--output-dir",
-                          str(quantized)]) == 0  # fmt: skip
+    assert (
+        whisper_prune([*FAST, "--recipe", "whisper_2of4_w8a8", "--output-dir", str(quantized)]) == 0
+    )
     capsys.readouterr()
     again = [a if a != str(MODEL_DIR) else str(quantized) for a in FAST]
-    assert whisper_prune([*again, "--recipe", "wanda_2of4", "--output-dir",
-                          str(tmp_path / "refused")]) == 2  # fmt: skip
+    assert (
+        whisper_prune([*again, "--recipe", "wanda_2of4", "--output-dir", str(tmp_path / "refused")])
+        == 2
+    )
     assert f"--model {quantized} holds quantized weights" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()

@@ -100,8 +100,10 @@ def test_sums_are_the_same_bits_however_sequences_are_split(add):
     reference = add(None, x)  # one batch of 24
     one_by_one = summed(add, [x[i : i + 1] for i in range(24)])
     for size in (1, 3, 4, 7):
-        parts = [summed(add, [x[i : min(i + size, end)] for i in range(start, end, size)])
-                 for start, end in ((0, 10), (10, 17), (17, 24))]  # fmt: skip
+        parts = [
+            summed(add, [x[i : min(i + size, end)] for i in range(start, end, size)])
+            for start, end in ((0, 10), (10, 17), (17, 24))
+        ]
         for order in ((0, 1, 2), (2, 0, 1)):
             total = parts[order[0]].clone() + parts[order[1]] + parts[order[2]]
             assert torch.equal(mean_over_sequences(total, 24), mean_over_sequences(reference, 24))

@@ -44,10 +44,22 @@ from whisper_sparse.format.layout import write_compressed
 pytestmark = pytest.mark.slow
 
 FAST = [
-    "--model", str(MODEL_DIR), "--calibration", str(CALIBRATION_TEXT),
-    "--num-sequences", "4", "--seq-len", "64", "--eval-text", str(HELDOUT_TEXT),
-    "--eval-seq-len", "128", "--eval-windows", "2", "--skip-dense-eval",
-]  # fmt: skip
+    "--model",
+    str(MODEL_DIR),
+    "--calibration",
+    str(CALIBRATION_TEXT),
+    "--num-sequences",
+    "4",
+    "--seq-len",
+    "64",
+    "--eval-text",
+    str(HELDOUT_TEXT),
+    "--eval-seq-len",
+    "128",
+    "--eval-windows",
+    "2",
+    "--skip-dense-eval",
+]
 DECODER_LINEARS = 7 * 5  # stories260K: 5 layers of q, k, v, o, gate, up, down
 
 
@@ -115,8 +127,9 @@ def test_a_compressed_save_reloads_bit_identical_to_the_dense_save(pruned, tmp_p
     assert all(torch.equal(state[k], reference[k]) for k in reference)
     ids = torch.tensor([[1, 50, 100, 200, 300, 7]])
     with torch.no_grad():
-        torch.testing.assert_close(plain(ids).logits, load_checkpoint(dense)(ids).logits,
-                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            plain(ids).logits, load_checkpoint(dense)(ids).logits, rtol=1e-5, atol=1e-5
+        )
     plain.save_pretrained(tmp_path / "resaved")
     if kept:
         resaved_config = json.loads((tmp_path / "resaved/config.json").read_text())
@@ -145,8 +158,9 @@ def test_stock_transformers_refuses_it_naming_the_package(pruned):
         "import sys; from transformers import AutoModelForCausalLM as M; "
         "assert 'whisper_modifiers' not in sys.modules; M.from_pretrained(sys.argv[1])"
     )
-    done = subprocess.run([sys.executable, "-c", stock, str(pruned[0])], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", stock, str(pruned[0])], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 1
     assert "ValueError" in done.stderr and "whisper-sparse" in done.stderr
 
@@ -185,11 +199,16 @@ def test_a_corrupt_layer_is_refused_naming_it_before_any_weight_loads(pruned, tm
         for part in ("compressed", "bitmask", "row_offsets", "shape"):
             del tensors[f"{layer}.{part}"]
 
-    cases = [(moved_bit, rf"{layer}\.row_offsets\[4\]"),
-             (truncated, rf"{layer}\.compressed holds \d+ values, but {layer}\.bitmask marks"),
-             (padding, r"model\.layers\.1\.mlp\.down_proj\.bitmask marks inputs past 172"),
-             (dense_instead, rf"{layer}: config.json declares it sparse-bitmask, but the "
-                             "checkpoint stores it dense")]  # fmt: skip
+    cases = [
+        (moved_bit, rf"{layer}\.row_offsets\[4\]"),
+        (truncated, rf"{layer}\.compressed holds \d+ values, but {layer}\.bitmask marks"),
+        (padding, r"model\.layers\.1\.mlp\.down_proj\.bitmask marks inputs past 172"),
+        (
+            dense_instead,
+            rf"{layer}: config.json declares it sparse-bitmask, but the "
+            "checkpoint stores it dense",
+        ),
+    ]
     for index, (change, message) in enumerate(cases):
         bad = corrupted(pruned[0], tmp_path / f"bad{index}", change)
         with pytest.raises(CorruptCheckpointError, match=message):
@@ -207,10 +226,15 @@ def test_checkpoints_declared_before_unstructured_layers_and_legacy_ones_load(pr
     shutil.copytree(compressed, legacy)
     config = json.loads((legacy / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "dense",
-        "sparsity_config": {"format": "sparse-bitmask", "sparsity_structure": "unstructured",
-                            "targets": ["Linear"], "ignore": ["lm_head"]},
-    }  # fmt: skip
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "sparsity_config": {
+            "format": "sparse-bitmask",
+            "sparsity_structure": "unstructured",
+            "targets": ["Linear"],
+            "ignore": ["lm_head"],
+        },
+    }
     del config["transformers_weights"]
     (legacy / "config.json").write_text(json.dumps(config))
     ours = load_checkpoint(legacy).state_dict()
@@ -222,8 +246,10 @@ def test_checkpoints_declared_before_unstructured_layers_and_legacy_ones_load(pr
     model.save_pretrained(first)
     write_compressed(first, names)
     config = json.loads((first / "config.json").read_text())
-    config["quantization_config"] = {key: config["quantization_config"][key] for key in
-                                     ("format", "sparsity_structure", "targets")}  # fmt: skip
+    config["quantization_config"] = {
+        key: config["quantization_config"][key]
+        for key in ("format", "sparsity_structure", "targets")
+    }
     config["quantization_config"]["quant_method"] = LEGACY_QUANT_METHOD
     config["transformers_weights"] = STOCK_LOADER_GUARDS[1]
     (first / "config.json").write_text(json.dumps(config))

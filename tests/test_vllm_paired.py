@@ -16,8 +16,11 @@ GIB = 2**30
 
 
 def loaded(rss_gib: float, ratio: float | None = None, dense_bytes: int = GIB) -> dict:
-    return {"weights": {"ratio": ratio, "dense_bytes": dense_bytes},
-            "rss_after_load": rss_gib * GIB, "rss_after_load_trimmed": rss_gib * GIB}  # fmt: skip
+    return {
+        "weights": {"ratio": ratio, "dense_bytes": dense_bytes},
+        "rss_after_load": rss_gib * GIB,
+        "rss_after_load_trimmed": rss_gib * GIB,
+    }
 
 
 def test_engines_run_in_balanced_mirrored_orders_and_ratios_are_per_round(tmp_path, monkeypatch):
@@ -30,9 +33,11 @@ def test_engines_run_in_balanced_mirrored_orders_and_ratios_are_per_round(tmp_pa
 
     order = []
     # seconds per run of 64 tokens: round 2 is a slow phase for every engine
-    seconds = {"dense": [[4.0, 4.0], [8.0, 8.0], [4.0, 4.0]],
-               "50%": [[2.0, 3.0], [5.0, 5.0], [2.5, 2.5]],
-               "65%": [[2.0, 2.0], [4.0, 4.0], [1.0, 3.0]]}  # fmt: skip
+    seconds = {
+        "dense": [[4.0, 4.0], [8.0, 8.0], [4.0, 4.0]],
+        "50%": [[2.0, 3.0], [5.0, 5.0], [2.5, 2.5]],
+        "65%": [[2.0, 2.0], [4.0, 4.0], [1.0, 3.0]],
+    }
     memory = {"dense": loaded(4.0), "50%": loaded(3.5, 0.56), "65%": loaded(3.4, 0.41)}
 
     class FakeEngine:
@@ -57,13 +62,46 @@ def test_engines_run_in_balanced_mirrored_orders_and_ratios_are_per_round(tmp_pa
             return {"rss_peak": 1}
 
     monkeypatch.setattr(vllm_paired, "HeldEngine", FakeEngine)
-    argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--rounds", "3",
-            "--settle", "0", "--enforce-eager", "--python", sys.executable,
-            "--out", str(tmp_path), "--name", "paired"]  # fmt: skip
+    argv = [
+        "--shape",
+        "tiny",
+        "--layers",
+        "1",
+        "--dtype",
+        "float32",
+        "--rounds",
+        "3",
+        "--settle",
+        "0",
+        "--enforce-eager",
+        "--python",
+        sys.executable,
+        "--out",
+        str(tmp_path),
+        "--name",
+        "paired",
+    ]
     assert vllm_paired.main(argv) == 0
-    assert order == ["dense", "50%", "65%", "65%", "50%", "dense",
-                     "50%", "65%", "dense", "dense", "65%", "50%",
-                     "65%", "dense", "50%", "50%", "dense", "65%"]  # fmt: skip
+    assert order == [
+        "dense",
+        "50%",
+        "65%",
+        "65%",
+        "50%",
+        "dense",
+        "50%",
+        "65%",
+        "dense",
+        "dense",
+        "65%",
+        "50%",
+        "65%",
+        "dense",
+        "50%",
+        "50%",
+        "dense",
+        "65%",
+    ]
     results = json.loads((tmp_path / "paired.json").read_text())["results"]
     assert results["dense"]["workloads"]["decode:1x64"]["rounds"] == [16.0, 8.0, 16.0]
     half = results["50%"]["workloads"]["decode:1x64"]
@@ -84,14 +122,30 @@ def test_a_failing_engine_stops_the_run_naming_it_with_its_last_lines(tmp_path, 
     the report says the run stopped."""
     import vllm_paired
 
-    argv = ["--shape", "tiny", "--layers", "1", "--dtype", "float32", "--sparsity", "0.5",
-            "--rounds", "1", "--python", sys.executable, "--out", str(tmp_path),
-            "--timeout", "120"]  # fmt: skip
+    argv = [
+        "--shape",
+        "tiny",
+        "--layers",
+        "1",
+        "--dtype",
+        "float32",
+        "--sparsity",
+        "0.5",
+        "--rounds",
+        "1",
+        "--python",
+        sys.executable,
+        "--out",
+        str(tmp_path),
+        "--timeout",
+        "120",
+    ]
     assert vllm_paired.main(argv) == 1
     error = capsys.readouterr().err
     assert "the dense engine gave no answer (exit 1)" in error and "Error" in error
-    assert "**Stopped:** the dense engine gave no answer" in (
-        tmp_path / "vllm_paired.md").read_text()  # fmt: skip
+    assert (
+        "**Stopped:** the dense engine gave no answer" in (tmp_path / "vllm_paired.md").read_text()
+    )
 
 
 def test_the_held_engine_answers_each_command_with_one_line(monkeypatch):

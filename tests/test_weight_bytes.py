@@ -67,8 +67,13 @@ def test_sparse24_linear_on_a_cpu_holds_its_dense_weight_once():
     """Where the kernel cannot run (CPU), the module keeps only the dense weight: 1.0×."""
     module = torch.nn.Sequential(Sparse24Linear(two_four_weight(torch.float32)))
     totals = sparse_weight_bytes(module)
-    assert totals == {"layers": 1, "held_bytes": OUT * IN * 4, "dense_bytes": OUT * IN * 4,
-                      "ratio": 1.0, "packed_layers": 0}  # fmt: skip
+    assert totals == {
+        "layers": 1,
+        "held_bytes": OUT * IN * 4,
+        "dense_bytes": OUT * IN * 4,
+        "ratio": 1.0,
+        "packed_layers": 0,
+    }
 
 
 def test_a_weight_packed_out_of_sight_gives_no_ratio():

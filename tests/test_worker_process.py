@@ -91,8 +91,9 @@ def served_checkpoint(directory):
     """A quantized checkpoint that ``check_checkpoint`` accepts (weights, config, tokenizer
     file); its values are never run (the serving Python is a stand-in)."""
     config = quantized_checkpoint(directory)
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama",
-                  max_position_embeddings=2048)  # fmt: skip
+    config.update(
+        architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=2048
+    )
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "tokenizer.json").write_text("{}")
     return directory
@@ -100,9 +101,13 @@ def served_checkpoint(directory):
 
 def quantized_checkpoint(directory):
     directory.mkdir()
-    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(8, 16, dtype=torch.int8),
-               "model.layers.0.mlp.up_proj.weight_scale": torch.ones(8, 1)},
-              directory / "model.safetensors")  # fmt: skip
+    save_file(
+        {
+            "model.layers.0.mlp.up_proj.weight": torch.zeros(8, 16, dtype=torch.int8),
+            "model.layers.0.mlp.up_proj.weight_scale": torch.ones(8, 1),
+        },
+        directory / "model.safetensors",
+    )
     return {"quantization_config": {"config_groups": {"group_0": {"targets": ["Linear"]}}}}
 
 
@@ -155,12 +160,19 @@ def test_an_illegal_instruction_names_amx_where_the_cpu_has_it(tmp_path, monkeyp
     message = str(refused.value)
     assert "in any of auto, bfloat16, float16" in message
     if amx:
-        assert message.count("AMX present but not usable in this process, or capped "
-                             "(ONEDNN_MAX_CPU_ISA=AVX2)") == 3  # fmt: skip
+        assert (
+            message.count(
+                "AMX present but not usable in this process, or capped (ONEDNN_MAX_CPU_ISA=AVX2)"
+            )
+            == 3
+        )
     else:
         assert "AMX" not in message and message.count("(SIGILL)") == 3
     assert [json.loads(line) for line in log.read_text().splitlines()] == [
-        "auto", "bfloat16", "float16"]  # fmt: skip
+        "auto",
+        "bfloat16",
+        "float16",
+    ]
     from whisper_sparse.driver.cli import main as whisper_serve
 
     assert whisper_serve([str(ckpt), "--dry-run", "--python", str(python)]) == 2
@@ -193,9 +205,11 @@ def test_vllms_warning_per_cast_weight_becomes_one_line():
     cast = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
     first = record(cast, "model.embed_tokens.weight", torch.float32, torch.bfloat16)
     assert note.filter(first)
-    assert first.getMessage() == ("the checkpoint's float32 weights are cast to bfloat16 as "
-                                  "they load (vLLM's --dtype); this is said once for all of "
-                                  "them")  # fmt: skip
+    assert first.getMessage() == (
+        "the checkpoint's float32 weights are cast to bfloat16 as "
+        "they load (vLLM's --dtype); this is said once for all of "
+        "them"
+    )
     assert not note.filter(record(cast, "lm_head.weight", torch.float32, torch.bfloat16))
     other = record("Loading weights took %.2f seconds", 1.5)
     assert note.filter(other) and other.getMessage() == "Loading weights took 1.50 seconds"

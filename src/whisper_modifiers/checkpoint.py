@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 
-
 def _pattern(weight: torch.Tensor) -> str:
     zeros = weight == 0
     if not zeros.any():

@@ -172,17 +172,26 @@ def prune_and_save(plan: Plan) -> dict:
         model, plan.args.num_sequences, plan.args.seq_len, plan.offload_device, plan.batch_size
     )
     pipeline = methods.calibration_pipeline(plan.pipeline)
-    report["calibration"].update(batch_size=batch_size, offload_device=offload_device,
-                                 pipeline=pipeline)  # fmt: skip
+    report["calibration"].update(
+        batch_size=batch_size, offload_device=offload_device, pipeline=pipeline
+    )
     chosen = " (--pipeline auto)" if plan.pipeline == "auto" else ""
-    logger.info(f"calibration pipeline {pipeline}{chosen}, batch size {batch_size}, activation "
-                f"cache on {offload_device}")  # fmt: skip
+    logger.info(
+        f"calibration pipeline {pipeline}{chosen}, batch size {batch_size}, activation "
+        f"cache on {offload_device}"
+    )
     ours = {"pipeline": PIPELINE_NAME} if pipeline == PIPELINE_NAME else {}
     start = time.perf_counter()
     try:
-        methods.run_oneshot(model, plan.tokenizer, sequence_dataset(plan.sequences),
-                            plan.modifiers, batch_size=batch_size,
-                            sequential_offload_device=offload_device, **ours)  # fmt: skip
+        methods.run_oneshot(
+            model,
+            plan.tokenizer,
+            sequence_dataset(plan.sequences),
+            plan.modifiers,
+            batch_size=batch_size,
+            sequential_offload_device=offload_device,
+            **ours,
+        )
     except NonFiniteError as error:
         raise PruningFailed(f"pruning stopped: {error}") from error
     report["pruning_seconds"] = time.perf_counter() - start
@@ -205,8 +214,10 @@ def _load_model(plan: Plan, scratch: str):
     load_from = plan.model_id
     if check_prunable(plan.model_id, plan.config):  # our compressed 2:4 checkpoint
         load_from = str(write_dense_layout(plan.model_id, scratch))
-        logger.info(f"--model {plan.model_id} is a compressed 2:4 checkpoint: pruning its "
-                    "dense weights (a temporary copy in the dense layout)")  # fmt: skip
+        logger.info(
+            f"--model {plan.model_id} is a compressed 2:4 checkpoint: pruning its "
+            "dense weights (a temporary copy in the dense layout)"
+        )
     model = AutoModelForCausalLM.from_pretrained(load_from, dtype="auto")
     try:
         check_finite_weights(model)
@@ -254,9 +265,14 @@ def _save(plan: Plan, model, report: dict) -> None:
     report["layout"] = plan.layout
     with partial_output(plan.output_dir) as partial:  # never a half-written checkpoint
         try:  # checks every 2:4 layer is exactly 2:4 before it writes anything
-            written = saving.write_checkpoint(model, partial, plan.modifiers,
-                                              saving.llmcompressor_save(model), plan.layout,
-                                              **details)  # fmt: skip
+            written = saving.write_checkpoint(
+                model,
+                partial,
+                plan.modifiers,
+                saving.llmcompressor_save(model),
+                plan.layout,
+                **details,
+            )
         except ValueError as error:  # NotTwoFourError, or a format it cannot hold
             raise PruningFailed(f"cannot store the compressed layout: {error}") from error
         report["sparsity"] = written["record"]["summary"]["sparsity"]
@@ -283,9 +299,12 @@ def main(argv=None) -> int:
     except OSError as error:
         if error.errno != errno.ENOSPC:
             raise
-        print(f"whisper-prune: error: no space left on the device while writing the "
-              f"checkpoint ({error.filename or args.output_dir}); nothing was kept: free "
-              "space or choose another --output-dir", file=sys.stderr)  # fmt: skip
+        print(
+            f"whisper-prune: error: no space left on the device while writing the "
+            f"checkpoint ({error.filename or args.output_dir}); nothing was kept: free "
+            "space or choose another --output-dir",
+            file=sys.stderr,
+        )
         return 1
     if "output_dir" not in report:
         return 0  # another rank of a torchrun run: rank 0 reports and saves

@@ -96,9 +96,15 @@ def check_inputs(args) -> tuple[str, str, Path, str]:
     name = resolve_module(model_config(model_id), args.module)
     inputs_on_disk = [p for p in (model_id, args.calibration) if Path(p).exists()]
     try:
-        out = check_output_dir(args.out, inputs_on_disk, args.overwrite, flag="--out",
-                               marker=REPORT, program="whisper-diagnose",
-                               output=f"{REPORT} of an earlier whisper-diagnose")  # fmt: skip
+        out = check_output_dir(
+            args.out,
+            inputs_on_disk,
+            args.overwrite,
+            flag="--out",
+            marker=REPORT,
+            program="whisper-diagnose",
+            output=f"{REPORT} of an earlier whisper-diagnose",
+        )
     except OutputDirError as error:
         raise UsageError(str(error)) from error
     text = read_text("--calibration", args.calibration, lambda s: load_corpus(s, "train"))
@@ -114,8 +120,9 @@ def run(args) -> dict:
 
     model_id, name, out, text = check_inputs(args)
     tokenizer = AutoTokenizer.from_pretrained(model_id)
-    sequences = calibration_sequences(tokenizer, text, args.calibration, args.num_sequences,
-                                      args.seq_len, args.seed)  # fmt: skip
+    sequences = calibration_sequences(
+        tokenizer, text, args.calibration, args.num_sequences, args.seq_len, args.seed
+    )
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32).eval()
     module = model.get_submodule(name)
     inputs = d.capture_inputs(model, name, sequences)
@@ -138,7 +145,7 @@ def run(args) -> dict:
             "num_sequences": args.num_sequences,
             "seq_len": args.seq_len,
             "seed": args.seed,
-        },  # fmt: skip
+        },
         "wasserstein_neurons": neurons.tolist(),
         "mapping_difficulty": difficulty.tolist(),
         "wasserstein_distance": wasserstein.tolist(),
@@ -167,8 +174,13 @@ def _plot(out, scores, neurons, preserved, sparsities, sweep, name):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
     for ax, method in zip(axes, ("wisp", "wisp_plus"), strict=True):
         ax.scatter(wanda[sample], scores[method].reshape(-1)[sample], s=1, alpha=0.3)
-        ax.set(xscale="log", yscale="log", xlabel="Wanda saliency",
-               ylabel=f"{method} saliency", title=f"{method} vs Wanda ({name})")  # fmt: skip
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="Wanda saliency",
+            ylabel=f"{method} saliency",
+            title=f"{method} vs Wanda ({name})",
+        )
     fig.tight_layout()
     fig.savefig(out / "saliency_scatter.png", dpi=110)
     plt.close(fig)
@@ -177,10 +189,16 @@ def _plot(out, scores, neurons, preserved, sparsities, sweep, name):
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (method, matrix) in zip(axes, scores.items(), strict=True):
         normalised = (matrix / matrix.mean()).clamp_min(1e-12).log10()
-        ax.hist(normalised[random].reshape(-1), bins=60, alpha=0.6, density=True,
-                label="random neurons")  # fmt: skip
-        ax.hist(normalised[neurons].reshape(-1), bins=60, alpha=0.6, density=True,
-                label="Wasserstein neurons (top 1%)")  # fmt: skip
+        ax.hist(
+            normalised[random].reshape(-1), bins=60, alpha=0.6, density=True, label="random neurons"
+        )
+        ax.hist(
+            normalised[neurons].reshape(-1),
+            bins=60,
+            alpha=0.6,
+            density=True,
+            label="Wasserstein neurons (top 1%)",
+        )
         ax.set(title=method, xlabel="log10 saliency / layer mean")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -190,8 +208,11 @@ def _plot(out, scores, neurons, preserved, sparsities, sweep, name):
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for method, values in preserved.items():
         ax.plot(sparsities, values, marker="o", label=method)
-    ax.set(xlabel="sparsity (this layer alone)", ylabel="mapping difficulty kept (pruned/dense)",
-           title="Wasserstein neurons' mapping difficulty under pruning")  # fmt: skip
+    ax.set(
+        xlabel="sparsity (this layer alone)",
+        ylabel="mapping difficulty kept (pruned/dense)",
+        title="Wasserstein neurons' mapping difficulty under pruning",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "difficulty_vs_sparsity.png", dpi=110)
@@ -199,9 +220,12 @@ def _plot(out, scores, neurons, preserved, sparsities, sweep, name):
 
     gammas = [row["gamma"] for row in sweep]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, label in zip(axes, ("mse_differences", "mse_outputs", "r2_means"),
-                              ("relative MSE of W dX", "relative MSE of W X",
-                               "R² of neuronwise output means"), strict=True):  # fmt: skip
+    for ax, key, label in zip(
+        axes,
+        ("mse_differences", "mse_outputs", "r2_means"),
+        ("relative MSE of W dX", "relative MSE of W X", "R² of neuronwise output means"),
+        strict=True,
+    ):
         ax.plot([max(g, 1e-4) for g in gammas], [row[key] for row in sweep], marker="o")
         ax.set(xscale="log", xlabel="gamma (0 plotted at 1e-4)", ylabel=label)
     fig.tight_layout()
@@ -217,8 +241,10 @@ def main(argv=None) -> int:
         print(f"whisper-diagnose: error: {error}", file=sys.stderr)
         return 2
     print(f"{report['module']}: Wasserstein neurons {report['wasserstein_neurons']}")
-    print(f"correlation(mapping difficulty, Wasserstein distance) = "
-          f"{report['correlation_difficulty_wasserstein']:.3f}")  # fmt: skip
+    print(
+        f"correlation(mapping difficulty, Wasserstein distance) = "
+        f"{report['correlation_difficulty_wasserstein']:.3f}"
+    )
     for row in report["gamma_sweep"]:
         print(
             f"gamma {row['gamma']:<6} MSE(WX) {row['mse_outputs']:.4f}  "

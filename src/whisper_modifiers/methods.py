@@ -28,8 +28,9 @@ __all__ = [
 MAIN_METHODS = ("magnitude", "wanda", "wisp", "wisp_plus", "sparsegpt", "whisper")
 COMPOSITE_METHODS = ("ria", "ria_wisp", "ria_wisp_plus", "alps", "alps_whisper")
 _STOCK_METHODS = {"wanda": WandaPruningModifier, "sparsegpt": SparseGPTModifier}
-METHODS = {name: _STOCK_METHODS.get(name) or REGISTRY[name]
-           for name in MAIN_METHODS + COMPOSITE_METHODS}  # fmt: skip
+METHODS = {
+    name: _STOCK_METHODS.get(name) or REGISTRY[name] for name in MAIN_METHODS + COMPOSITE_METHODS
+}
 PIPELINE_CHOICES = ("auto", PIPELINE_NAME, "sequential")  # calibration_pipeline's
 BASELINE_OF = {
     "wisp": "wanda",
@@ -85,16 +86,18 @@ def run_oneshot(model, tokenizer, dataset, recipe, batch_size: int = 1, **kwargs
             modifier.check_calibration_size(len(dataset))
     start, end = distributed.shard_bounds(len(dataset), num_ranks)[distributed.rank()]
     shard = dataset.select(range(start, end)).with_format("torch")
-    loader = DataLoader(shard, batch_size=batch_size, shuffle=False,
-                        collate_fn=default_data_collator)  # fmt: skip
+    loader = DataLoader(
+        shard, batch_size=batch_size, shuffle=False, collate_fn=default_data_collator
+    )
     if isinstance(recipe, list):
         recipe = [sequence_sum_baseline(modifier) for modifier in recipe]
     with distributed.calibration_shard(start):
         return oneshot(model=model, tokenizer=tokenizer, dataset=loader, recipe=recipe, **kwargs)
 
 
-def calibration_settings(model, num_sequences: int, seq_len: int, offload_device="auto",
-                         batch_size="auto") -> tuple[str, int]:  # fmt: skip
+def calibration_settings(
+    model, num_sequences: int, seq_len: int, offload_device="auto", batch_size="auto"
+) -> tuple[str, int]:
     """The activation-cache device and calibration batch size. ``auto`` keeps the cache on
     the GPU when it takes at most 40 % of the free GPU memory, else on the CPU; ``auto``
     batches one sequence per forward. A larger batch changes the floating-point order of

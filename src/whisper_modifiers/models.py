@@ -98,23 +98,32 @@ def sentencepiece_bpe_tokenizer(gguf: Path):
         for cut in range(1, len(piece))
         if piece[:cut] in vocab and piece[cut:] in vocab
     )
-    special = {name: pieces[int(field(f"{name}_token_id")[0][0])]
-               for name in ("bos", "eos", "unknown", "padding")}  # fmt: skip
+    special = {
+        name: pieces[int(field(f"{name}_token_id")[0][0])]
+        for name in ("bos", "eos", "unknown", "padding")
+    }
     ordered = [(left, right) for *_, left, right in merges]
-    tokenizer = Tokenizer(BPE(vocab, ordered, unk_token=special["unknown"], byte_fallback=True,
-                              fuse_unk=True))  # fmt: skip
+    tokenizer = Tokenizer(
+        BPE(vocab, ordered, unk_token=special["unknown"], byte_fallback=True, fuse_unk=True)
+    )
     tokenizer.normalizer = normalizers.Replace(" ", "▁")
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     kinds_of = list(zip(pieces, kinds, strict=True))
-    tokenizer.add_special_tokens([AddedToken(piece, special=True, normalized=False)
-                                  for piece, kind in kinds_of if kind == 3])  # fmt: skip
-    tokenizer.add_tokens([AddedToken(piece, normalized=False) for piece, kind in kinds_of
-                          if kind == 4])  # fmt: skip
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=special["bos"],
-                                   eos_token=special["eos"], unk_token=special["unknown"],
-                                   pad_token=special["padding"])  # fmt: skip
+    tokenizer.add_special_tokens(
+        [AddedToken(piece, special=True, normalized=False) for piece, kind in kinds_of if kind == 3]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(piece, normalized=False) for piece, kind in kinds_of if kind == 4]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=special["bos"],
+        eos_token=special["eos"],
+        unk_token=special["unknown"],
+        pad_token=special["padding"],
+    )
 
 
 def _convert_gguf(gguf: Path, target: Path, tokenizer=None) -> Path:

@@ -122,8 +122,9 @@ def read_text(flag: str, source: str, reader) -> str:
     return text
 
 
-def calibration_sequences(tokenizer, text: str, source: str, num_sequences: int, seq_len: int,
-                          seed: int) -> list[list[int]]:  # fmt: skip
+def calibration_sequences(
+    tokenizer, text: str, source: str, num_sequences: int, seq_len: int, seed: int
+) -> list[list[int]]:
     """``data.sample_sequences`` of the tokenized ``--calibration`` text (tokenized once,
     before the weights load); a text too short for one window names the flag."""
     from whisper_modifiers.data import sample_sequences

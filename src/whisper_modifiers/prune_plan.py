@@ -113,8 +113,19 @@ def _check_flags(args: argparse.Namespace) -> Plan:
         raise UsageError(str(error)) from error
     config = model_config(model_id)
     check_positions(config, **{"--seq-len": args.seq_len, "--eval-seq-len": args.eval_seq_len})
-    return Plan(args, started, model_id, config, output_dir, inputs, distributed.rank() == 0,
-                batch_size, offload_device, pipeline, recipe)  # fmt: skip
+    return Plan(
+        args,
+        started,
+        model_id,
+        config,
+        output_dir,
+        inputs,
+        distributed.rank() == 0,
+        batch_size,
+        offload_device,
+        pipeline,
+        recipe,
+    )
 
 
 def _tokenize_texts(plan: Plan) -> None:
@@ -125,17 +136,25 @@ def _tokenize_texts(plan: Plan) -> None:
     )
     eval_text = read_text("--eval-text", args.eval_text, evaluation.evaluation_text)
     if same_file(args.calibration, args.eval_text):
-        logger.warning(f"--calibration and --eval-text are the same file ({args.eval_text}): "
-                       "the perplexity is measured on the calibration text, so it flatters "
-                       "every method that fits it")  # fmt: skip
+        logger.warning(
+            f"--calibration and --eval-text are the same file ({args.eval_text}): "
+            "the perplexity is measured on the calibration text, so it flatters "
+            "every method that fits it"
+        )
     try:
         plan.tokenizer = AutoTokenizer.from_pretrained(plan.model_id)
     except (OSError, ValueError, TypeError) as error:
         raise UsageError(
             f"--model {plan.model_id}: its tokenizer cannot be loaded: {error}"
         ) from error
-    plan.sequences = calibration_sequences(plan.tokenizer, calibration_text, args.calibration,
-                                           args.num_sequences, args.seq_len, args.seed)  # fmt: skip
+    plan.sequences = calibration_sequences(
+        plan.tokenizer,
+        calibration_text,
+        args.calibration,
+        args.num_sequences,
+        args.seq_len,
+        args.seed,
+    )
     plan.bos = plan.tokenizer.bos_token_id if args.eval_bos else None
     plan.windows = args.eval_windows or None
     body = evaluation.window_body(args.eval_seq_len, plan.bos)
@@ -153,5 +172,7 @@ def _tokenize_texts(plan: Plan) -> None:
             f"{body} tokens"
         ) from error
     if plan.windows and plan.num_windows < plan.windows:
-        logger.warning(f"--eval-windows {plan.windows}: --eval-text holds {plan.num_windows} "
-                       f"windows of {args.eval_seq_len} tokens; evaluating those")  # fmt: skip
+        logger.warning(
+            f"--eval-windows {plan.windows}: --eval-text holds {plan.num_windows} "
+            f"windows of {args.eval_seq_len} tokens; evaluating those"
+        )

@@ -128,6 +128,6 @@ def storage_layout(layout: str, modifiers: list) -> str:
                 "recipe packs weights to fewer bits (W4A16 keeps compressed-tensors' layout)"
                 if packed
                 else "recipe has no pruning modifier"
-            )  # fmt: skip
+            )
         )
     return layout

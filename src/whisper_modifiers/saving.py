@@ -68,10 +68,15 @@ def _pruned_linears(model, modifier) -> list[str]:
     ignore = list(modifier.ignore or [])
     names = []
     for name, module in match_named_modules(model, modifier.targets, ignore):
-        inner = [(name, module)] if isinstance(module, torch.nn.Linear) else [
-            (f"{name}.{n}", m) for n, m in module.named_modules()
-            if isinstance(m, torch.nn.Linear)
-        ]  # fmt: skip
+        inner = (
+            [(name, module)]
+            if isinstance(module, torch.nn.Linear)
+            else [
+                (f"{name}.{n}", m)
+                for n, m in module.named_modules()
+                if isinstance(m, torch.nn.Linear)
+            ]
+        )
         names += [n for n, m in inner if not match_targets(n, m, ignore)]
     return names
 
@@ -83,15 +88,25 @@ def _structure(modifier) -> str | None:
 
 def two_four_layers(model, modifiers: list) -> list[str]:
     """Names of the Linear modules that the recipe's 2:4 modifiers prune."""
-    return sorted({name for modifier in modifiers if _structure(modifier) == "2:4"
-                   for name in _pruned_linears(model, modifier)})  # fmt: skip
+    return sorted(
+        {
+            name
+            for modifier in modifiers
+            if _structure(modifier) == "2:4"
+            for name in _pruned_linears(model, modifier)
+        }
+    )
 
 
 def unstructured_layers(model, modifiers: list) -> list[str]:
     """Names of the Linear modules that the recipe's other pruning modifiers prune
     (unstructured, or N:M other than 2:4), less those a 2:4 modifier prunes."""
-    names = {name for modifier in modifiers if _structure(modifier) not in (None, "2:4")
-             for name in _pruned_linears(model, modifier)}  # fmt: skip
+    names = {
+        name
+        for modifier in modifiers
+        if _structure(modifier) not in (None, "2:4")
+        for name in _pruned_linears(model, modifier)
+    }
     return sorted(names - set(two_four_layers(model, modifiers)))
 
 
@@ -121,12 +136,17 @@ def storage_layout(modifiers: list) -> str:
 def gamma_selection(modifiers) -> dict[str, dict]:
     """``gamma: auto``'s choice per module (``DifferencePruningBase.gamma_selection``) over
     a finished run's modifiers; empty when none chose."""
-    return {name: choice for modifier in modifiers if hasattr(modifier, "gamma_selection")
-            for name, choice in modifier.gamma_selection().items()}  # fmt: skip
+    return {
+        name: choice
+        for modifier in modifiers
+        if hasattr(modifier, "gamma_selection")
+        for name, choice in modifier.gamma_selection().items()
+    }
 
 
-def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout: str,
-                     **details) -> dict:  # fmt: skip
+def write_checkpoint(
+    model, directory: str | Path, modifiers: list, save, layout: str, **details
+) -> dict:
     """Write ``model`` pruned by ``modifiers`` into the new ``directory`` with ``save``
     (llmcompressor's ``save_pretrained``) in ``layout``: ``compressed`` (llmcompressor's
     compressed save, then the pruned layers rewritten: ``write_compressed``), ``dense``
@@ -153,8 +173,9 @@ def write_checkpoint(model, directory: str | Path, modifiers: list, save, layout
             f"{len(experts)} MoE expert layers ({experts[0]}, ...) are stored dense, in "
             "the model's own fused experts format"
         )
-    two_four, unstructured = ([n for n in layers if n not in experts]
-                              for layers in (two_four, unstructured))  # fmt: skip
+    two_four, unstructured = (
+        [n for n in layers if n not in experts] for layers in (two_four, unstructured)
+    )
     written = None
     if layout == "compressed" and (two_four or unstructured):
         written = write_compressed(directory, two_four, unstructured)
@@ -196,8 +217,9 @@ def _packed(name: str, experts):
                 fused.gate_up_proj_bias[index, offset::2].copy_(linear.bias)
     unpacked = type(experts).from_experts_module(fused, experts._source_config)
     for index in range(experts.num_experts):
-        for (part, weight), again in zip(experts[index].named_parameters(),
-                                         unpacked[index].parameters(), strict=True):  # fmt: skip
+        for (part, weight), again in zip(
+            experts[index].named_parameters(), unpacked[index].parameters(), strict=True
+        ):
             if not torch.equal(weight, again):
                 raise RuntimeError(
                     f"{name}: packing expert {index}'s {part} into "
@@ -229,14 +251,26 @@ def install_compressed_save(model, modifiers: list) -> None:
         model = model_ref()
         modifiers = state["modifiers"]
         layout = storage_layout(modifiers) if save_compressed else "uncompressed"
-        target = check_output_dir(save_directory, protected=_protected(model), overwrite=True,
-                                  flag="save_pretrained's save_directory",
-                                  marker=RECORD_FILE, program="whisper-modifiers",
-                                  output="a whisper-modifiers checkpoint")  # fmt: skip
+        target = check_output_dir(
+            save_directory,
+            protected=_protected(model),
+            overwrite=True,
+            flag="save_pretrained's save_directory",
+            marker=RECORD_FILE,
+            program="whisper-modifiers",
+            output="a whisper-modifiers checkpoint",
+        )
         save = functools.partial(inner, **kwargs)
         with partial_output(target) as partial:  # never a half-written checkpoint
-            write_checkpoint(model, partial, modifiers, save, layout, recipe=state["recipe"],
-                             source_model=_source(model))  # fmt: skip
+            write_checkpoint(
+                model,
+                partial,
+                modifiers,
+                save,
+                layout,
+                recipe=state["recipe"],
+                source_model=_source(model),
+            )
         return None
 
     state["inner"] = inner

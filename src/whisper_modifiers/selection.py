@@ -77,8 +77,9 @@ def held_out_fold(sequence_index: int, holdout_every: int, folds: int = 1) -> in
     return fold if fold >= holdout_every - folds else None
 
 
-def held_out_tokens(sequence: torch.Tensor, sequence_index: int, holdout_every: int,
-                    folds: int = 1) -> torch.Tensor:  # fmt: skip
+def held_out_tokens(
+    sequence: torch.Tensor, sequence_index: int, holdout_every: int, folds: int = 1
+) -> torch.Tensor:
     """The tokens of a held-out ``sequence`` (``[tokens, m]``) whose error is measured:
     every ``folds``-th, from an offset that cycles with the sequence's rank in its fold,
     so that ``folds`` measured folds cost what one fold of whole sequences does."""

@@ -219,9 +219,14 @@ def regularized_difference_hessian(
     ``H_Delta`` alone.
     """
     m = hessian.shape[0]
-    return _regularized_mixture(hessian, difference_hessian, gamma,
-                                torch.trace(hessian) / m, torch.trace(difference_hessian) / m,
-                                "difference Hessian")  # fmt: skip
+    return _regularized_mixture(
+        hessian,
+        difference_hessian,
+        gamma,
+        torch.trace(hessian) / m,
+        torch.trace(difference_hessian) / m,
+        "difference Hessian",
+    )
 
 
 def regularized_difference_norms(
@@ -237,9 +242,14 @@ def regularized_difference_norms(
     analogue of ``tr(H_Delta) / m``).  The saliency is ``|W_ij|`` times the square root.
     ``gamma = 1`` returns ``channel_norms`` itself (Wanda).
     """
-    return _regularized_mixture(channel_norms, difference_norms, gamma,
-                                channel_norms.mean(), difference_norms.mean(),
-                                "difference statistic")  # fmt: skip
+    return _regularized_mixture(
+        channel_norms,
+        difference_norms,
+        gamma,
+        channel_norms.mean(),
+        difference_norms.mean(),
+        "difference statistic",
+    )
 
 
 def _regularized_mixture(plain, difference, gamma: float, mu, mu_delta, what: str):

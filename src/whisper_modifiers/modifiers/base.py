@@ -144,15 +144,21 @@ class DifferencePruningBase(SparsityModifierBase):
     def on_initialize(self, state: State, **kwargs) -> bool:
         check_mask_kept()  # this session's recipe
         self._statistics = self.new_statistics()
-        self._pairs = Pairing(self.pairing, self.seed, self.num_permutations,
-                              self._module_names, type(self).__name__)  # fmt: skip
+        self._pairs = Pairing(
+            self.pairing, self.seed, self.num_permutations, self._module_names, type(self).__name__
+        )
         self._gamma_auto = None
         if self.gamma == "auto":
             self._gamma_auto = GammaAuto(
-                self, list(self.gamma_candidates or self.GAMMA_CANDIDATES), self._module_names,
-                self.holdout_every, self.gamma_folds, self.gamma_evidence,
-                self.gamma_criterion, self.gamma_model_check,
-            )  # fmt: skip
+                self,
+                list(self.gamma_candidates or self.GAMMA_CANDIDATES),
+                self._module_names,
+                self.holdout_every,
+                self.gamma_folds,
+                self.gamma_evidence,
+                self.gamma_criterion,
+                self.gamma_model_check,
+            )
         return super().on_initialize(state, **kwargs)
 
     def on_calibration_start(self, state: State, event: Event, **kwargs):
@@ -237,8 +243,9 @@ class DifferencePruningBase(SparsityModifierBase):
     def candidate_weights(self, group: list, gammas: list[float]) -> list[dict]:
         """Per gamma, ``{module: pruned weight}`` for the modules of ``group`` (one
         ``candidate_weight`` each; a method may solve them together)."""
-        return [{module: self.candidate_weight(module, gamma) for module in group}
-                for gamma in gammas]  # fmt: skip
+        return [
+            {module: self.candidate_weight(module, gamma) for module in group} for gamma in gammas
+        ]
 
     def on_sequential_epoch_end(self, state: State, event: Event, **kwargs):
         self._pairs.end_layer()

@@ -57,8 +57,9 @@ class WandaBaselineModifier(WandaPruningModifier):
             with torch.no_grad(), align_module_device(module), CompressionLogger(module):
                 weight = module.weight.data.to(WANDA_PRECISION)
                 metric = weight.abs() * self._row_scalars.pop(module).reshape(1, -1).sqrt()
-                mask = prune_mask(metric, self._module_sparsities[module], self._prune_n,
-                                  self._prune_m)  # fmt: skip
+                mask = prune_mask(
+                    metric, self._module_sparsities[module], self._prune_n, self._prune_m
+                )
                 pruned = weight.masked_fill(mask, 0.0).to(module.weight.dtype)
             update_offload_parameter(module, "weight", pruned)
         if stock:

@@ -128,7 +128,10 @@ class ModuleStatistics:
         an MoE expert that no calibration sequence sent 2 tokens has no pair."""
         self.channel_norms, self.plain_norms = self.plain_norms, SequenceSum()
         self.difference_hessian, self.neuronwise, self.difficulty = (
-            SequenceSum(), SequenceSum(), SequenceSum())  # fmt: skip
+            SequenceSum(),
+            SequenceSum(),
+            SequenceSum(),
+        )
 
 
 class CalibrationStatistics:

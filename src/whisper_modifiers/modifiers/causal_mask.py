@@ -45,8 +45,12 @@ def watch_causal_masks(model: torch.nn.Module, register_hook: Callable) -> None:
                 "lost its eager attention); calibrating with the causal mask instead"
             )
         length = hidden.shape[1]
-        mask = torch.full((length, length), torch.finfo(hidden.dtype).min, dtype=hidden.dtype,
-                          device=hidden.device).triu(1)  # fmt: skip
+        mask = torch.full(
+            (length, length),
+            torch.finfo(hidden.dtype).min,
+            dtype=hidden.dtype,
+            device=hidden.device,
+        ).triu(1)
         return args, {**kwargs, "attention_mask": mask[None, None]}
 
     for _, module in model.named_modules():

@@ -79,8 +79,12 @@ def init_from_torchrun() -> bool:
         if torch.cuda.is_available():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device else "gloo", init_method="env://",
-                                timeout=COLLECTIVE_TIMEOUT, device_id=device)  # fmt: skip
+        dist.init_process_group(
+            backend="nccl" if device else "gloo",
+            init_method="env://",
+            timeout=COLLECTIVE_TIMEOUT,
+            device_id=device,
+        )
     return True
 
 
@@ -96,8 +100,10 @@ def finish() -> None:
 def shard_bounds(num_sequences: int, num_ranks: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` per rank: llmcompressor's ``get_rank_partition``
     formula (``floor(n * r / N)``)."""
-    return [(num_sequences * r // num_ranks, num_sequences * (r + 1) // num_ranks)
-            for r in range(num_ranks)]  # fmt: skip
+    return [
+        (num_sequences * r // num_ranks, num_sequences * (r + 1) // num_ranks)
+        for r in range(num_ranks)
+    ]
 
 
 @contextlib.contextmanager

@@ -71,10 +71,17 @@ class GammaAuto:
     :param module_names: the host's ``{module: name}``, in registration order.
     """
 
-    def __init__(self, host: GammaAutoHost, candidates: list[float],
-                 module_names: dict[torch.nn.Module, str], holdout_every: int,
-                 gamma_folds: int, gamma_evidence: float, gamma_criterion: str,
-                 gamma_model_check: bool):  # fmt: skip
+    def __init__(
+        self,
+        host: GammaAutoHost,
+        candidates: list[float],
+        module_names: dict[torch.nn.Module, str],
+        holdout_every: int,
+        gamma_folds: int,
+        gamma_evidence: float,
+        gamma_criterion: str,
+        gamma_model_check: bool,
+    ):
         self.host, self.candidates, self.module_names = host, candidates, module_names
         self.holdout_every, self.gamma_folds = holdout_every, gamma_folds
         self.gamma_evidence, self.gamma_criterion = gamma_evidence, gamma_criterion
@@ -127,8 +134,11 @@ class GammaAuto:
         if cached is not None and cached[0]() is x and cached[1] == x._version:
             return cached[2]
         sequences = x if x.dim() == 3 else x.unsqueeze(0)
-        held = [(row, sequences[b].detach().to("cpu", copy=True))
-                for b, row in enumerate(rows) if self.fold_of(row) is not None]  # fmt: skip
+        held = [
+            (row, sequences[b].detach().to("cpu", copy=True))
+            for b, row in enumerate(rows)
+            if self.fold_of(row) is not None
+        ]
         self._held_of_input = (weakref.ref(x), x._version, held)
         return held
 
@@ -220,8 +230,9 @@ class GammaAuto:
         sequences of ``fold``, pruned with the statistics held now (the other folds')."""
         inputs = [
             held_out_tokens(sequence, row, self.holdout_every, self.gamma_folds)
-            for row, sequence in held.get(group[0], []) if self.fold_of(row) == fold
-        ]  # fmt: skip
+            for row, sequence in held.get(group[0], [])
+            if self.fold_of(row) == fold
+        ]
         pruned = self.host.candidate_weights(group, self.candidates)
         return self._held_out_errors(group, mlp, inputs, pruned)
 
@@ -256,11 +267,16 @@ class GammaAuto:
                 stack.enter_context(align_module_device(part))
             if mlp is None:
                 (module,) = group
-                return output_errors(inputs, module.weight, [c[module] for c in candidates],
-                                     self.gamma_criterion)  # fmt: skip
+                return output_errors(
+                    inputs, module.weight, [c[module] for c in candidates], self.gamma_criterion
+                )
             gate, up = mlp.gate_proj, mlp.up_proj
             return gated_mlp_errors(
-                inputs, gate.weight, up.weight, mlp.down_proj.weight, mlp.act_fn,
+                inputs,
+                gate.weight,
+                up.weight,
+                mlp.down_proj.weight,
+                mlp.act_fn,
                 [(c.get(gate, gate.weight), c.get(up, up.weight)) for c in candidates],
                 self.gamma_criterion,
-            )  # fmt: skip
+            )

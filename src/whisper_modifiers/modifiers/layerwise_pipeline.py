@@ -106,8 +106,9 @@ def calibrate(model, dataloader, dataset_args, device: torch.device, attention: 
         dataset_args.propagate_error = False  # as llmcompressor's sequential pipeline
     session.state.loss_masks = (
         [batch.get("loss_mask") for batch in dataloader]
-        if getattr(dataset_args, "use_loss_mask", False) else None
-    )  # fmt: skip
+        if getattr(dataset_args, "use_loss_mask", False)
+        else None
+    )
     LifecycleCallbacks.calibration_start()
     with _calibration_context(model, attention):
         owners = _hook_owners(model, modifiers)
@@ -193,8 +194,10 @@ def _record_inputs(model, layers, dataloader, device, dataset_args, keep):
             with HooksMixin.disable_hooks(keep=keep):
                 calls = _recorded_calls(model, layers, batch)
             if len(calls) != len(layers):
-                raise RuntimeError(f"{PIPELINE_NAME}: a batch reached {len(calls)} of the "
-                                   f"{len(layers)} decoder layers")  # fmt: skip
+                raise RuntimeError(
+                    f"{PIPELINE_NAME}: a batch reached {len(calls)} of the "
+                    f"{len(layers)} decoder layers"
+                )
             values = {f"layer.{index}": arguments for index, _, arguments in calls}
             cache.append({"hidden": calls[0][1], "batch": batch, **values})
     finally:
@@ -317,5 +320,7 @@ def _calibration_context(model: torch.nn.Module, attention: str | None = None):
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    return {key: value.to(device) if isinstance(value, torch.Tensor) else value
-            for key, value in batch.items()}  # fmt: skip
+    return {
+        key: value.to(device) if isinstance(value, torch.Tensor) else value
+        for key, value in batch.items()
+    }

@@ -91,10 +91,15 @@ def masked_quantize_weight(
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[:, i1:i2, i1:i2]
         column_scale, column_zero = column_scale_window(
-            scale.to(device), None if zero_point is None else zero_point.to(device),
-            None if global_scale is None else global_scale.to(device), g_idx, quant_args,
-            num_rows=num_rows, i1=i1, i2=i2,
-        )  # fmt: skip
+            scale.to(device),
+            None if zero_point is None else zero_point.to(device),
+            None if global_scale is None else global_scale.to(device),
+            g_idx,
+            quant_args,
+            num_rows=num_rows,
+            i1=i1,
+            i2=i2,
+        )
         for i in range(i2 - i1):
             w = W1[:, :, i]
             q = fake_quantize(

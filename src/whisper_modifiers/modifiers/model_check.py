@@ -163,9 +163,11 @@ class ModelCheck:
         _write(chosen)
         chosen_losses = sequence_losses(model, sequences, *first)
         verdict, means, standard_errors, _ = select_gamma(
-            [0.0, 1.0], [torch.stack([chosen_losses, reference_losses])], selection.gamma_evidence,
+            [0.0, 1.0],
+            [torch.stack([chosen_losses, reference_losses])],
+            selection.gamma_evidence,
             all_reduce_sum,
-        )  # fmt: skip
+        )
         if verdict != 0.0:
             _write(reference)
         record = {
@@ -244,8 +246,11 @@ def sequence_losses(
             total = torch.zeros((), dtype=torch.float64)
             for start in range(0, targets.shape[0], LOSS_CHUNK):
                 part = slice(start, start + LOSS_CHUNK)
-                logits = F.linear(hidden[part].float(), head.weight.float(),
-                                  None if head.bias is None else head.bias.float())  # fmt: skip
+                logits = F.linear(
+                    hidden[part].float(),
+                    head.weight.float(),
+                    None if head.bias is None else head.bias.float(),
+                )
                 if cap:
                     logits = torch.tanh(logits / cap) * cap
                 nll = F.cross_entropy(logits, targets[part], reduction="none")

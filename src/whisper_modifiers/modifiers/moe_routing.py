@@ -54,8 +54,12 @@ class MoERouting:
         self._routes: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         self.skipped: dict[torch.nn.Module, list[int]] = {}  # [sequences < 2 tokens, all]
 
-    def watch(self, model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]],
-              register_hook: Callable) -> None:  # fmt: skip
+    def watch(
+        self,
+        model: torch.nn.Module,
+        modules: list[tuple[str, torch.nn.Module]],
+        register_hook: Callable,
+    ) -> None:
         """Follow the routing of the MoE blocks that hold any of ``modules`` (``(name,
         module)``); ``register_hook`` is the modifier's (removed with its hooks). Raises
         before calibration if an expert's routing cannot be seen."""
@@ -83,8 +87,7 @@ class MoERouting:
                 register_hook(block, self._record_shape, "forward_pre", with_kwargs=True)
             if member.container is not None and member.container not in self._routes:
                 self._routes[member.container] = None
-                register_hook(member.container, self._record_route, "forward_pre",
-                              with_kwargs=True)  # fmt: skip
+                register_hook(member.container, self._record_route, "forward_pre", with_kwargs=True)
 
     def __contains__(self, module: torch.nn.Module) -> bool:
         return module in self._members

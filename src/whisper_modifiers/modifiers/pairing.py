@@ -33,8 +33,14 @@ class Pairing:
     :param owner: the modifier's class name, for messages.
     """
 
-    def __init__(self, mode: str, seed: int, num_permutations: int,
-                 module_names: dict[torch.nn.Module, str], owner: str):  # fmt: skip
+    def __init__(
+        self,
+        mode: str,
+        seed: int,
+        num_permutations: int,
+        module_names: dict[torch.nn.Module, str],
+        owner: str,
+    ):
         self.mode, self.seed, self.num_permutations = mode, seed, num_permutations
         self.module_names, self.owner = module_names, owner
         self.routing = MoERouting()
@@ -46,8 +52,13 @@ class Pairing:
 
     # -- MoE routing ---------------------------------------------------------------------
 
-    def watch_routing(self, model: torch.nn.Module, modules: list[tuple],
-                      register_hook: Callable, refused: dict[str, bool]) -> None:  # fmt: skip
+    def watch_routing(
+        self,
+        model: torch.nn.Module,
+        modules: list[tuple],
+        register_hook: Callable,
+        refused: dict[str, bool],
+    ) -> None:
         """Follow the routing of the difference modules ``[(name, module)]`` inside MoE
         blocks (experts, and shared experts fed the block's flattened tokens). Before
         calibration, refuses each setting of ``refused`` (``{"gamma: auto": set, ...}``):
@@ -87,7 +98,11 @@ class Pairing:
     def release(self) -> None:
         """Forget everything but the routing skips (the end of the run)."""
         self.routing, self._sources, self._last_input, self._last_differences = (
-            MoERouting(), {}, None, None)  # fmt: skip
+            MoERouting(),
+            {},
+            None,
+            None,
+        )
 
     def routing_skips(self) -> dict[str, tuple[int, int]]:
         """``{expert module: (sequences with fewer than 2 routed tokens, sequences)}``."""
@@ -162,8 +177,10 @@ class Pairing:
 
     def _draw(self, module: torch.nn.Module, x: torch.Tensor):
         if self.routing.is_expert(module):  # sequences whose pairs all vanish add nothing
-            pairs = [self._pairs(module, routed.tokens, self.rows[routed.row])
-                     for routed in self.routing.routed_sequences(module, x)]  # fmt: skip
+            pairs = [
+                self._pairs(module, routed.tokens, self.rows[routed.row])
+                for routed in self.routing.routed_sequences(module, x)
+            ]
             return [differences for differences in pairs if differences.any()]
         if module in self.routing:
             x = self.routing.as_sequences(module, x)

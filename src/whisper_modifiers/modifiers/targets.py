@@ -29,8 +29,9 @@ DEFAULT_DIFFERENCE_TARGETS = [
 DEFAULT_IGNORE = ["lm_head", r"re:.*mlp\.gate$", r"re:.*router(\.layer)?$", r"re:.*_expert_gate$"]
 
 
-def pruned_modules(target_layers: dict[str, torch.nn.Module], sparsity, ignore: list[str],
-                   mask_structure: str) -> list[tuple]:  # fmt: skip
+def pruned_modules(
+    target_layers: dict[str, torch.nn.Module], sparsity, ignore: list[str], mask_structure: str
+) -> list[tuple]:
     """``(name, module, sparsity)`` of every module pruned inside ``target_layers``
     (llmcompressor's selection, names without its trailing dot, so that ``ignore:
     ["lm_head"]`` and ``$``-anchored regexes match what users expect)."""

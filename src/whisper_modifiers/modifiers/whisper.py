@@ -88,8 +88,9 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         for module in self._statistics:
             held = self._statistics[module]
             if held.centering_gram.held:
-                held.difference_hessian.total = centered(held.hessian.total,
-                                                         held.centering_gram.total)  # fmt: skip
+                held.difference_hessian.total = centered(
+                    held.hessian.total, held.centering_gram.total
+                )
         for module, source in self._pairs.shared_inputs().items():
             if source in self._statistics:  # this layer
                 shared, held = self._statistics[source], self._statistics.of(module)
@@ -124,10 +125,15 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         """SparseGPT's solve with ``H~`` at ``gamma`` (the weight is not written)."""
         with torch.no_grad(), align_module_device(module):
             return sparsify_weight(
-                module, {module: self.regularized_hessian(module, gamma)},
-                self._module_sparsities[module], self._prune_n, self._prune_m,
-                self.block_size, self.dampening_frac, self.preserve_sparsity_mask,
-            )[1]  # fmt: skip
+                module,
+                {module: self.regularized_hessian(module, gamma)},
+                self._module_sparsities[module],
+                self._prune_n,
+                self._prune_m,
+                self.block_size,
+                self.dampening_frac,
+                self.preserve_sparsity_mask,
+            )[1]
 
     def candidate_weights(self, group, gammas: list[float]) -> list[dict]:
         """SparseGPT's solve at every candidate gamma, gate and up (same shape and
@@ -135,9 +141,13 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
         ``sparsify_weight`` per problem): one loop over the columns instead of one per
         module and gamma."""
         sparsities = {self._module_sparsities[m] for m in group}
-        if (not self.BATCHED_CANDIDATES or self.preserve_sparsity_mask or len(sparsities) > 1
-                or len({tuple(m.weight.shape) for m in group}) > 1
-                or not all(isinstance(m, torch.nn.Linear) for m in group)):  # fmt: skip
+        if (
+            not self.BATCHED_CANDIDATES
+            or self.preserve_sparsity_mask
+            or len(sparsities) > 1
+            or len({tuple(m.weight.shape) for m in group}) > 1
+            or not all(isinstance(m, torch.nn.Linear) for m in group)
+        ):
             return super().candidate_weights(group, gammas)
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for module in group:
@@ -151,9 +161,12 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             pruned = sparsegpt_prune_batch(
                 torch.stack([m.weight for m, _ in problems]),
                 torch.stack([mixed[self._pairs.source(m), g] for m, g in problems]),
-                sparsities.pop(), self._prune_n, self._prune_m, self.block_size,
+                sparsities.pop(),
+                self._prune_n,
+                self._prune_m,
+                self.block_size,
                 self.dampening_frac,
-            ).to(group[0].weight.dtype)  # fmt: skip
+            ).to(group[0].weight.dtype)
         weights = iter(pruned)
         return [{module: next(weights) for module in group} for _ in gammas]
 
@@ -166,10 +179,15 @@ class WhisperModifier(DifferencePruningBase, SparseGPTModifier):
             logger.info(f"Sparsifying {name} using {hessian.count} samples")
             with torch.no_grad(), align_module_device(module), CompressionLogger(module) as log:
                 loss, pruned = sparsify_weight(
-                    module, {module: hessian.total}, self._module_sparsities[module],
-                    self._prune_n, self._prune_m, self.block_size, self.dampening_frac,
+                    module,
+                    {module: hessian.total},
+                    self._module_sparsities[module],
+                    self._prune_n,
+                    self._prune_m,
+                    self.block_size,
+                    self.dampening_frac,
                     self.preserve_sparsity_mask,
-                )  # fmt: skip
+                )
                 log.set_results(name="SGPT", loss=loss)
             update_offload_parameter(module, "weight", pruned)
 

@@ -39,11 +39,20 @@ __all__ = [
 
 CPU_OP_NAMESPACE = "whisper_sparse_cpu"
 SOURCE_DIR = Path(__file__).with_name("kernels")
-KERNEL_SOURCES = ("avx2.cpp", "avx2_bitmask.cpp", "avx512.cpp",
-                  "avx512_bf16.cpp", "avx512_bf16_gemm.cpp", "avx512_bf16_bitmask_gemm.cpp",
-                  "avx512_bf16_grouped.cpp",
-                  "op.cpp", "op_brgemm.cpp", "op_gemm.cpp", "op_isa.cpp",
-                  "op_tiles.cpp")  # fmt: skip
+KERNEL_SOURCES = (
+    "avx2.cpp",
+    "avx2_bitmask.cpp",
+    "avx512.cpp",
+    "avx512_bf16.cpp",
+    "avx512_bf16_gemm.cpp",
+    "avx512_bf16_bitmask_gemm.cpp",
+    "avx512_bf16_grouped.cpp",
+    "op.cpp",
+    "op_brgemm.cpp",
+    "op_gemm.cpp",
+    "op_isa.cpp",
+    "op_tiles.cpp",
+)
 HEADERS = (
     "sparse_kernels.h",
     "avx2_byte_tables.h",
@@ -87,11 +96,27 @@ def _flags() -> tuple[list[str], list[str]]:
     """Compile and link flags against the installed torch."""
     root = Path(torch.__file__).resolve().parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    compile_flags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                     "-I", str(SOURCE_DIR), "-isystem", str(root / "include")]  # fmt: skip
+    compile_flags = [
+        "-O3",
+        "-std=c++17",
+        "-fPIC",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-I",
+        str(SOURCE_DIR),
+        "-isystem",
+        str(root / "include"),
+    ]
     # -fopenmp links libgomp.so.1 by its name: torch's own copy, loaded first, is the one used
-    link_flags = ["-shared", "-fopenmp", f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch",
-                  f"-Wl,-rpath,{root / 'lib'}"]  # fmt: skip
+    link_flags = [
+        "-shared",
+        "-fopenmp",
+        f"-L{root / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        f"-Wl,-rpath,{root / 'lib'}",
+    ]
     return compile_flags, link_flags
 
 
@@ -105,16 +130,22 @@ def _build(compiler: str, target: Path) -> None:
         for name in KERNEL_SOURCES:
             obj = staging / f"{Path(name).stem}.o"
             command = [compiler, *compile_flags, "-c", str(SOURCE_DIR / name), "-o", str(obj)]
-            running.append(subprocess.Popen(command, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, text=True))  # fmt: skip
+            running.append(
+                subprocess.Popen(
+                    command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
             objects.append(obj)
         for process in running:
             output, _ = process.communicate(timeout=BUILD_TIMEOUT)
             if process.returncode:
                 raise RuntimeError(_first_error(output))
-        done = subprocess.run([compiler, *map(str, objects), *link_flags, "-o",
-                               str(staging / LIBRARY)], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT)  # fmt: skip
+        done = subprocess.run(
+            [compiler, *map(str, objects), *link_flags, "-o", str(staging / LIBRARY)],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT,
+        )
         if done.returncode:
             raise RuntimeError(_first_error(done.stdout + done.stderr))
         for obj in objects:

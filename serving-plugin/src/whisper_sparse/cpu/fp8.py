@@ -48,8 +48,9 @@ def emulated_fp8(layer: torch.nn.Module) -> bool:
     return kernel is not None and emulated_fp8_kernel(type(kernel))
 
 
-def dequantized_fp8_weight(weight: torch.Tensor, weight_scale: torch.Tensor, widths: list[int],
-                           dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def dequantized_fp8_weight(
+    weight: torch.Tensor, weight_scale: torch.Tensor, widths: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     """``s_w * w`` for a float8 ``weight`` ``[out, in]`` and its scale: per output channel
     (``[out, 1]``), per fused part (one per ``widths`` entry) or per tensor, in ``dtype``."""
     outputs = weight.shape[0]

@@ -64,9 +64,13 @@ def _exclusive_cumsum(counts: torch.Tensor, dim: int) -> torch.Tensor:
     return counts.cumsum(dim) - counts
 
 
-def group_layout(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor,
-                 in_features: int, block_groups: int = 128,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def group_layout(
+    values: torch.Tensor,
+    bitmask: torch.Tensor,
+    row_offsets: torch.Tensor,
+    in_features: int,
+    block_groups: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values, group_masks, group_offsets)`` of a checked unstructured layer (each row's
     values from its ``row_offsets`` entry on, as many as its mask bits) in the grouped
     layout; ``block_groups`` groups are placed at a time, so the index tensors stay small."""
@@ -97,8 +101,9 @@ def group_layout(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch
     return grouped, group_masks, group_offsets
 
 
-def group_for_op(values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor,
-                 in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def group_for_op(
+    values: torch.Tensor, bitmask: torch.Tensor, row_offsets: torch.Tensor, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``group_layout`` of a checked layer as the op's modules hold it: its values and masks
     in huge pages where the kernel offers them (``cpu.huge_pages``: the grouped row kernels
     read them faster there, at one to four tokens, on a Zen 5 EPYC)."""

@@ -44,8 +44,7 @@ def onednn_int8_saturates() -> bool:
     handler = ops.create_onednn_scaled_mm(weight.t(), ones, torch.float32, True, False, 32)
     x_q = torch.full((1, inputs), 127, dtype=torch.int8)
     out = torch.empty((1, outputs), dtype=torch.float32)
-    ops.onednn_scaled_mm(handler, x_q, out, torch.ones(1, 1, dtype=torch.float32), None, None,
-                         None)  # fmt: skip
+    ops.onednn_scaled_mm(handler, x_q, out, torch.ones(1, 1, dtype=torch.float32), None, None, None)
     return not torch.equal(out, torch.full_like(out, 127.0 * 127.0 * inputs))
 
 

@@ -243,9 +243,7 @@ def _stored_plan(entry) -> CpuPlan | None:
         return None
 
 
-def plan_key(
-    out_features: int, in_features: int, dtype: torch.dtype, density: float | None
-) -> str:
+def plan_key(out_features: int, in_features: int, dtype: torch.dtype, density: float | None) -> str:
     """A plan's key in the cache: the CPU, build, kernels and threads it was measured with,
     and the layer's shape, dtype and layout (``density`` as ``plan_density`` rounds it)."""
     layout = "2:4" if density is None else f"unstructured {density}"

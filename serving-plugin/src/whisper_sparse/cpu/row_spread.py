@@ -60,8 +60,9 @@ def row_gap(values: int, rows: int, itemsize: int) -> int:
     return math.ceil(((SPREAD_BYTES - past) % PAGE_BYTES) / itemsize)
 
 
-def spread_rows(values: torch.Tensor, row_offsets: torch.Tensor, gap: int,
-                block_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def spread_rows(
+    values: torch.Tensor, row_offsets: torch.Tensor, gap: int, block_rows: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, row_offsets)`` of the same layer with ``gap`` zeros after every row (the
     last included): row ``n`` moves ``n * gap`` values on. ``values`` is 1-D, row after
     row from ``row_offsets`` (int64, rising); rows are copied ``block_rows`` at a time, so

@@ -22,8 +22,9 @@ BUILDS = {"_C": "AVX-512 BF16 build", "_C_AVX512": "AVX-512 build", "_C_AVX2": "
 
 def capabilities(python: str | Path | None = None, timeout: float = 120) -> dict:
     """What the serving environment's vLLM has on this CPU (``vllm_worker.capabilities``)."""
-    return run_worker({"capabilities": True}, serving_python(python), timeout,
-                      "asking vLLM for its CPU ops")  # fmt: skip
+    return run_worker(
+        {"capabilities": True}, serving_python(python), timeout, "asking vLLM for its CPU ops"
+    )
 
 
 def capabilities_line(python: str | Path | None = None) -> str:
@@ -37,8 +38,9 @@ def capabilities_line(python: str | Path | None = None) -> str:
         found = capabilities(python)
     except (FileNotFoundError, RuntimeError) as error:
         return f"{cpu} | serving environment: {str(error).splitlines()[0]}"
-    ops = ", ".join(f"{scheme} {'yes' if there else 'no'}" for scheme, there in
-                    found["ops"].items())  # fmt: skip
+    ops = ", ".join(
+        f"{scheme} {'yes' if there else 'no'}" for scheme, there in found["ops"].items()
+    )
     saturates = found["int8_saturates"]
     int8 = "" if saturates is None else f" (oneDNN int8 saturates: {'yes' if saturates else 'no'})"
     builds = "+".join(f"{name} ({BUILDS.get(name, 'build')})" for name in found["builds"])

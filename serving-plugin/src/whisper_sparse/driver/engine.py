@@ -211,8 +211,15 @@ class Server:
             print(server.complete("The capital of France is", max_tokens=16))
     """
 
-    def __init__(self, checkpoint, host="127.0.0.1", port=None, log=None, start_timeout=600.0,
-                 **command_kwargs):  # fmt: skip
+    def __init__(
+        self,
+        checkpoint,
+        host="127.0.0.1",
+        port=None,
+        log=None,
+        start_timeout=600.0,
+        **command_kwargs,
+    ):
         if port is None:
             with socket.socket() as sock:
                 sock.bind((host, 0))
@@ -228,20 +235,27 @@ class Server:
     def __enter__(self) -> Server:
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            self.command, env=serving_env(), cwd=tempfile.gettempdir(), stdout=self._log,
+            self.command,
+            env=serving_env(),
+            cwd=tempfile.gettempdir(),
+            stdout=self._log,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + self.start_timeout
         try:
             while not self.healthy():
                 if self.process.poll() is not None:
-                    raise WorkerFailed("vLLM server failed to start",
-                                       exit_description(self.process.returncode),
-                                       last_lines(self.log_path.read_text()))  # fmt: skip
+                    raise WorkerFailed(
+                        "vLLM server failed to start",
+                        exit_description(self.process.returncode),
+                        last_lines(self.log_path.read_text()),
+                    )
                 if time.monotonic() > deadline:
-                    raise WorkerFailed("vLLM server not up", f"stopped after "
-                                       f"{self.start_timeout:.0f} s; log: {self.log_path}",
-                                       last_lines(self.log_path.read_text()))  # fmt: skip
+                    raise WorkerFailed(
+                        "vLLM server not up",
+                        f"stopped after {self.start_timeout:.0f} s; log: {self.log_path}",
+                        last_lines(self.log_path.read_text()),
+                    )
                 time.sleep(1)
         except BaseException:
             self.__exit__()
@@ -268,8 +282,12 @@ class Server:
 
     def complete(self, prompt: str, max_tokens: int = 16, **sampling) -> dict:
         """One ``/v1/completions`` request (greedy unless ``sampling`` says otherwise)."""
-        payload = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens,
-                   "temperature": 0.0} | sampling  # fmt: skip
+        payload = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        } | sampling
         return self.post("/v1/completions", payload)
 
     def __exit__(self, *exc) -> None:

@@ -51,8 +51,15 @@ PROBE_DECODE_BATCH = 4  # greedy decodes side by side
 QUANTIZED_CANDIDATES = ["auto", "bfloat16", "float16"]
 DENSE_CANDIDATES = ["auto", "float32"]
 # the serving environment's variables that change which kernels run
-PROBED_VARIABLES = ("ONEDNN_", "DNNL_", "VLLM_CPU_", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                    "WHISPER_MODIFIERS_", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY")  # fmt: skip
+PROBED_VARIABLES = (
+    "ONEDNN_",
+    "DNNL_",
+    "VLLM_CPU_",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "WHISPER_MODIFIERS_",
+    "OMP_NUM_THREADS",
+    "ATEN_CPU_CAPABILITY",
+)
 AMX_FLAGS = {"amx_tile", "amx_int8", "amx_bf16"}
 
 
@@ -95,9 +102,10 @@ def required_ops(config: dict) -> list[str]:
 
 def _weight_only_4bit(scheme: dict) -> bool:
     """Whether a compressed-tensors config has 4-bit weight-only (W4A16) groups."""
-    return any((group.get("weights") or {}).get("num_bits") == 4
-               and not group.get("input_activations")
-               for group in (scheme.get("config_groups") or {}).values())  # fmt: skip
+    return any(
+        (group.get("weights") or {}).get("num_bits") == 4 and not group.get("input_activations")
+        for group in (scheme.get("config_groups") or {}).values()
+    )
 
 
 def scheme_config(config: dict) -> dict:
@@ -116,8 +124,11 @@ def is_quantized(config: dict) -> bool:
 def probe_environment() -> dict[str, str]:
     """The variables of the serving environment that change which kernels run
     (oneDNN's ISA cap, vLLM's CPU settings, the plugin's kernel mode, threads)."""
-    return {key: value for key, value in sorted(serving_env().items())
-            if key.startswith(PROBED_VARIABLES)}  # fmt: skip
+    return {
+        key: value
+        for key, value in sorted(serving_env().items())
+        if key.startswith(PROBED_VARIABLES)
+    }
 
 
 def refusal_cause(ending: str) -> str | None:
@@ -128,11 +139,16 @@ def refusal_cause(ending: str) -> str | None:
     if "SIGILL" not in ending:
         return None
     if cpu_flag_set() & AMX_FLAGS:
-        capped = [f"{key}={value}" for key, value in probe_environment().items()
-                  if key.endswith("MAX_CPU_ISA")]  # fmt: skip
-        return ("AMX present but not usable in this process, or capped"
-                + (f" ({', '.join(capped)})" if capped else "")
-                + ": vLLM's AMX kernels died with an illegal instruction")  # fmt: skip
+        capped = [
+            f"{key}={value}"
+            for key, value in probe_environment().items()
+            if key.endswith("MAX_CPU_ISA")
+        ]
+        return (
+            "AMX present but not usable in this process, or capped"
+            + (f" ({', '.join(capped)})" if capped else "")
+            + ": vLLM's AMX kernels died with an illegal instruction"
+        )
     return "an instruction this CPU or process does not allow killed vLLM (SIGILL)"
 
 
@@ -143,8 +159,15 @@ def probe_dtypes(checkpoint: Path, config: dict, candidates: list[str], python: 
     "resolved"}``. A process that dies (a signal, a C++ ``terminate``) or runs past
     ``PROBE_TIMEOUT`` refuses its dtype, with the cause where it can be named
     (``refusal_cause``)."""
-    answer = {"dtype": None, "errors": {}, "missing_ops": [], "emulated_fp8": False,
-              "kernels": {}, "resolved": {}, "timed_out": False}  # fmt: skip
+    answer = {
+        "dtype": None,
+        "errors": {},
+        "missing_ops": [],
+        "emulated_fp8": False,
+        "kernels": {},
+        "resolved": {},
+        "timed_out": False,
+    }
     for dtype in candidates:
         request = probe_request(checkpoint, config, dtype)
         try:
@@ -160,14 +183,19 @@ def probe_dtypes(checkpoint: Path, config: dict, candidates: list[str], python: 
             break
         answer["errors"].update(reply["errors"])
         if reply["accepted"]:
-            answer.update(dtype=dtype, emulated_fp8=reply["emulated_fp8"],
-                          kernels=reply["kernels"], resolved=reply["resolved"])  # fmt: skip
+            answer.update(
+                dtype=dtype,
+                emulated_fp8=reply["emulated_fp8"],
+                kernels=reply["kernels"],
+                resolved=reply["resolved"],
+            )
             break
     return answer
 
 
-def serving_plan(checkpoint: str | Path, python: str | Path | None = None,
-                 dtype: str | None = None) -> ServingPlan:  # fmt: skip
+def serving_plan(
+    checkpoint: str | Path, python: str | Path | None = None, dtype: str | None = None
+) -> ServingPlan:
     """How vLLM serves ``checkpoint`` here: ``--dtype`` ``dtype`` if given, else the first
     of the candidates vLLM runs here (``auto``, vLLM's own choice: the checkpoint's dtype,
     or bfloat16 for a float32 one on a CPU; then bfloat16 and float16 for a quantized
@@ -241,7 +269,7 @@ def _probed(checkpoint: Path, config: dict, candidates: list, python: Path) -> d
                 probe_request(checkpoint, config, ""),
             ],
             sort_keys=True,
-        ).encode()  # fmt: skip
+        ).encode()
     ).hexdigest()
     cache = cache_dir() / "serving_dtypes.json"
     known = json.loads(cache.read_text()) if cache.is_file() else {}
@@ -258,10 +286,12 @@ def _probed(checkpoint: Path, config: dict, candidates: list, python: Path) -> d
 def _dynamic_fp8(scheme: dict) -> bool:
     """Whether a compressed-tensors config has float8 weights with dynamic activations
     (FP8_DYNAMIC: what ``capabilities``' ``fp8_dynamic_kernel`` answers for)."""
-    return any((group.get("weights") or {}).get("type") == "float"
-               and (group.get("weights") or {}).get("num_bits") == 8
-               and (group.get("input_activations") or {}).get("dynamic") is True
-               for group in (scheme.get("config_groups") or {}).values())  # fmt: skip
+    return any(
+        (group.get("weights") or {}).get("type") == "float"
+        and (group.get("weights") or {}).get("num_bits") == 8
+        and (group.get("input_activations") or {}).get("dynamic") is True
+        for group in (scheme.get("config_groups") or {}).values()
+    )
 
 
 def serving_dtype(checkpoint: str | Path, python: str | Path | None = None) -> str:

@@ -52,28 +52,45 @@ def probe_serving(request: dict) -> dict:
         return {"accepted": [], "errors": {}, "missing_ops": missing}
     dtype = request["dtype"]
     try:  # an error a kernel raises (not a crash) refuses this dtype
-        llm = LLM(model=request["model"], dtype=dtype, max_model_len=request["max_model_len"],
-                  enforce_eager=True, seed=0)  # fmt: skip
+        llm = LLM(
+            model=request["model"],
+            dtype=dtype,
+            max_model_len=request["max_model_len"],
+            enforce_eager=True,
+            seed=0,
+        )
         vocabulary = llm.llm_engine.model_config.get_vocab_size()
         draw = random.Random(0)
         lengths = [8] * request["decode_batch"] + [request["prefill_tokens"]]
-        prompts = [TokensPrompt(prompt_token_ids=[draw.randrange(vocabulary) for _ in range(n)])
-                   for n in lengths]  # fmt: skip
+        prompts = [
+            TokensPrompt(prompt_token_ids=[draw.randrange(vocabulary) for _ in range(n)])
+            for n in lengths
+        ]
         decode = SamplingParams(temperature=0.0, max_tokens=4)
         score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outputs = llm.generate(prompts, [decode] * request["decode_batch"] + [score],
-                               use_tqdm=False)  # fmt: skip
-        scored = zip(outputs[-1].prompt_logprobs[1:], prompts[-1]["prompt_token_ids"][1:],
-                     strict=True)  # fmt: skip
+        outputs = llm.generate(
+            prompts, [decode] * request["decode_batch"] + [score], use_tqdm=False
+        )
+        scored = zip(
+            outputs[-1].prompt_logprobs[1:], prompts[-1]["prompt_token_ids"][1:], strict=True
+        )
         if not all(math.isfinite(entry[token].logprob) for entry, token in scored):
             raise RuntimeError("vLLM's log-probabilities were not finite")
         kernels, emulated = llm.apply_model(_quantized_kernels)[0]
     except Exception as error:
-        return {"accepted": [], "missing_ops": [],
-                "errors": {dtype: f"{type(error).__name__}: {error}"[:500]}}  # fmt: skip
-    return {"accepted": [dtype], "errors": {}, "missing_ops": [],
-            "resolved": {dtype: str(llm.llm_engine.model_config.dtype).removeprefix("torch.")},
-            "kernels": kernels, "emulated_fp8": emulated}  # fmt: skip
+        return {
+            "accepted": [],
+            "missing_ops": [],
+            "errors": {dtype: f"{type(error).__name__}: {error}"[:500]},
+        }
+    return {
+        "accepted": [dtype],
+        "errors": {},
+        "missing_ops": [],
+        "resolved": {dtype: str(llm.llm_engine.model_config.dtype).removeprefix("torch.")},
+        "kernels": kernels,
+        "emulated_fp8": emulated,
+    }
 
 
 def _missing_ops(required: list[str]) -> list[str]:
@@ -154,8 +171,9 @@ def _fp8_dynamic_kernel() -> str:
     from whisper_sparse.cpu.fp8 import emulated_fp8_kernel
 
     with set_current_vllm_config(VllmConfig()):
-        chosen = init_fp8_linear_kernel(kFp8DynamicTokenSym, kFp8StaticChannelSym,
-                                        torch.bfloat16, torch.bfloat16, (256, 256))  # fmt: skip
+        chosen = init_fp8_linear_kernel(
+            kFp8DynamicTokenSym, kFp8StaticChannelSym, torch.bfloat16, torch.bfloat16, (256, 256)
+        )
     kernel = type(chosen)
     return kernel.__name__ + (" (emulated)" if emulated_fp8_kernel(kernel) else "")
 
@@ -200,9 +218,15 @@ def main(request_path: str) -> int:
     from whisper_sparse.vllm_adapter.compile_key import compilation_mode
 
     config = llm.llm_engine.vllm_config
-    answer = {"completions": [], "scores": [], "seconds": {},
-              "compilation": {"mode": compilation_mode(config),
-                              "backend": config.compilation_config.backend}}  # fmt: skip
+    answer = {
+        "completions": [],
+        "scores": [],
+        "seconds": {},
+        "compilation": {
+            "mode": compilation_mode(config),
+            "backend": config.compilation_config.backend,
+        },
+    }
     if request.get("prompts"):
         greedy = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16))
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
@@ -214,16 +238,19 @@ def main(request_path: str) -> int:
     if request.get("score"):
         scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         start = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["score"]],
-                               scoring)  # fmt: skip
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in request["score"]], scoring
+        )
         answer["seconds"]["score"] = time.perf_counter() - start
         for ids, output in zip(request["score"], outputs, strict=True):
             # prompt_logprobs[i] maps token ids to logprobs at position i; it always holds
             # the prompt's own token there; position 0 has no prediction (None).
-            logprobs = [output.prompt_logprobs[i][token].logprob for i, token in
-                        enumerate(ids) if i > 0]  # fmt: skip
-            answer["scores"].append({"nll": -sum(logprobs), "tokens": len(ids) - 1,
-                                     "logprobs": logprobs})  # fmt: skip
+            logprobs = [
+                output.prompt_logprobs[i][token].logprob for i, token in enumerate(ids) if i > 0
+            ]
+            answer["scores"].append(
+                {"nll": -sum(logprobs), "tokens": len(ids) - 1, "logprobs": logprobs}
+            )
     print("WHISPER_VLLM_RESULT " + json.dumps(answer), flush=True)
     return 0
 

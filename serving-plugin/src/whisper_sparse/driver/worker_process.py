@@ -107,8 +107,9 @@ def control_line(control, process: subprocess.Popen, timeout: float) -> tuple[st
 
 
 def last_lines(*outputs: str | bytes | None, count: int = TAIL_LINES) -> str:
-    text = "".join(o.decode(errors="replace") if isinstance(o, bytes) else (o or "")
-                   for o in outputs)  # fmt: skip
+    text = "".join(
+        o.decode(errors="replace") if isinstance(o, bytes) else (o or "") for o in outputs
+    )
     return "\n".join(text.splitlines()[-count:])
 
 
@@ -131,8 +132,12 @@ def run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM
                 # package's directory first on sys.path, and our statistics.py would shadow
                 # the stdlib's
                 [str(python), "-c", WORKER.read_text(), str(request_path)],
-                env=serving_env(), cwd=tmp, capture_output=True, text=True, timeout=timeout,
-            )  # fmt: skip
+                env=serving_env(),
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired as expired:  # run() has killed it
             tail = last_lines(expired.stdout, expired.stderr)
             raise WorkerFailed(failure, f"stopped after {timeout:.0f} s", tail) from None
@@ -146,8 +151,11 @@ def run_worker(request: dict, python: Path, timeout: float, failure: str = "vLLM
 # Variables a resident process applies per request (read when a layer loads or a file is
 # written); any other difference from the environment it started with needs a process of
 # its own (oneDNN's ISA cap, vLLM's plugins and thread binding are read once per process).
-PER_REQUEST_VARIABLES = ("WHISPER_MODIFIERS_SPARSE", "WHISPER_MODIFIERS_SPARSE24",
-                         "WHISPER_MODIFIERS_CACHE")  # fmt: skip
+PER_REQUEST_VARIABLES = (
+    "WHISPER_MODIFIERS_SPARSE",
+    "WHISPER_MODIFIERS_SPARSE24",
+    "WHISPER_MODIFIERS_CACHE",
+)
 _residents: dict[Path, ResidentWorker] | None = None
 
 
@@ -180,9 +188,14 @@ class ResidentWorker:
         log = open(self.directory / "resident.log", "a")
         self.process = subprocess.Popen(
             [str(self.python), "-c", WORKER.read_text(), "--resident", str(write)],
-            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
-            env=self.environment, cwd=self.directory, pass_fds=[write],
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.environment,
+            cwd=self.directory,
+            pass_fds=[write],
+        )
         log.close()
         os.close(write)
         self.control = os.fdopen(read)
@@ -227,8 +240,11 @@ class ResidentWorker:
 def _fixed(environment: dict[str, str]) -> dict[str, str]:
     """What a resident process must have started with (pytest's PYTEST_CURRENT_TEST, which
     changes with every test, left out too)."""
-    return {key: value for key, value in environment.items()
-            if key not in PER_REQUEST_VARIABLES and not key.startswith("PYTEST_")}  # fmt: skip
+    return {
+        key: value
+        for key, value in environment.items()
+        if key not in PER_REQUEST_VARIABLES and not key.startswith("PYTEST_")
+    }
 
 
 @contextlib.contextmanager

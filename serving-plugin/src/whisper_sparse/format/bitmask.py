@@ -70,8 +70,11 @@ def check_bitmask(compressed, bitmask, row_offsets, shape, name: str = "weight")
     the marked values. Raises ``CorruptCheckpointError`` naming the layer and the tensor
     (``compressed`` is read for its shape only: a meta tensor will do)."""
     rows, columns = int(shape[0]), int(shape[1])
-    check_part_shapes(name, shape, {"bitmask": (bitmask, (rows, -(-columns // 8))),
-                                    "row_offsets": (row_offsets, (rows,))})  # fmt: skip
+    check_part_shapes(
+        name,
+        shape,
+        {"bitmask": (bitmask, (rows, -(-columns // 8))), "row_offsets": (row_offsets, (rows,))},
+    )
     if row_offsets.dtype not in (torch.int32, torch.int64):
         raise CorruptCheckpointError(f"{name}.row_offsets is {row_offsets.dtype}, not int64")
     if compressed.dim() != 1:

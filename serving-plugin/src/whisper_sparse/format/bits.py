@@ -36,8 +36,7 @@ def unpack_bits(packed: torch.Tensor, columns: int) -> torch.Tensor:
     return bits.reshape(packed.shape[0], -1)[:, :columns]
 
 
-def check_part_shapes(name: str, shape, parts: dict, note: str = "",
-                      holdable: bool = True) -> None:  # fmt: skip
+def check_part_shapes(name: str, shape, parts: dict, note: str = "", holdable: bool = True) -> None:
     """Raise ``CorruptCheckpointError`` naming the first of a stored layer's ``parts``
     (part -> ``(tensor, expected shape)``) whose shape is not the one the layer's ``shape``
     needs (``note`` says what the layout needs of it), or the first part where the layout

@@ -34,6 +34,7 @@ LOCK_FILE = ".whisper-prune.lock"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 LEGACY_SPARSE_FORMATS = ("sparse-24-bitmask", "sparse-bitmask", "marlin-24")
 
+
 def read_config(directory: str | Path) -> dict:
     """``directory/config.json`` as a dict; a missing or unparsable file is an error that
     names it."""
@@ -47,7 +48,6 @@ def read_config(directory: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{config_path} holds a JSON {type(config).__name__}, not an object")
     return config
-
 
 
 def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict:
@@ -81,7 +81,6 @@ def check_checkpoint(directory: str | Path, unfinished_ok: bool = False) -> dict
     return config
 
 
-
 def _declared(config: dict) -> dict[str, str] | None:
     """Our checkpoint's compressed layers by name -> layout (a legacy one names patterns)."""
     quantization = config.get("quantization_config") or {}
@@ -89,7 +88,6 @@ def _declared(config: dict) -> dict[str, str] | None:
         return None
     by_format, _ = targets_by_format(quantization)
     return {name: format for format, names in by_format.items() for name in names}
-
 
 
 def _check_not_legacy(directory: Path, config: dict) -> None:
@@ -107,7 +105,6 @@ def _check_not_legacy(directory: Path, config: dict) -> None:
             "then load it with transformers (which decompresses it) and save_pretrained() it "
             "again, or re-run the recipe on the original model with this package."
         )
-
 
 
 def _check_files_present(directory: Path) -> None:
@@ -137,7 +134,6 @@ def _check_files_present(directory: Path) -> None:
         )
 
 
-
 def is_unfinished_output(directory: str | Path) -> bool:
     """Whether ``directory`` is an unfinished ``whisper-prune`` output: a hidden
     ``.NAME.partial-*`` directory, or one that still holds the writer's lock file."""
@@ -145,5 +141,3 @@ def is_unfinished_output(directory: str | Path) -> bool:
     return (directory.name.startswith(".") and PARTIAL_MARK in directory.name) or (
         directory / LOCK_FILE
     ).exists()
-
-

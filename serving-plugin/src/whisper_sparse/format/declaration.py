@@ -73,12 +73,16 @@ STOCK_LOADER_GUARDS = (
 )
 
 
-def declaration(two_four: list[str], bitmask: list[str], quantization: dict | None = None,
-                ) -> dict:  # fmt: skip
+def declaration(
+    two_four: list[str],
+    bitmask: list[str],
+    quantization: dict | None = None,
+) -> dict:
     """``config.json``'s ``quantization_config`` for a checkpoint whose ``two_four`` and
     ``bitmask`` Linears are stored compressed (``quantization``: a W8A8 / FP8 chain's)."""
-    formats = [name for name, layers in ((TWO_FOUR_FORMAT, two_four), (BITMASK_FORMAT, bitmask))
-               if layers]  # fmt: skip
+    formats = [
+        name for name, layers in ((TWO_FOUR_FORMAT, two_four), (BITMASK_FORMAT, bitmask)) if layers
+    ]
     structure = {TWO_FOUR_FORMAT: "2:4", BITMASK_FORMAT: "unstructured"}
     declared = {
         "quant_method": QUANT_METHOD,
@@ -100,9 +104,11 @@ def is_ours(quantization: dict | None) -> bool:
 def _legacy_format(quantization: dict) -> str | None:
     """The layout of an unquantized legacy compressed-tensors sparse checkpoint we read."""
     sparsity = quantization.get("sparsity_config") or {}
-    if (quantization.get("quant_method") == "compressed-tensors"
-            and sparsity.get("format") in (TWO_FOUR_FORMAT, BITMASK_FORMAT)
-            and not quantization.get("config_groups")):  # fmt: skip
+    if (
+        quantization.get("quant_method") == "compressed-tensors"
+        and sparsity.get("format") in (TWO_FOUR_FORMAT, BITMASK_FORMAT)
+        and not quantization.get("config_groups")
+    ):
         return sparsity["format"]
     return None
 
@@ -121,6 +127,10 @@ def targets_by_format(quantization: dict) -> tuple[dict[str, list[str]], list[st
     if legacy is not None:
         sparsity = quantization["sparsity_config"]
         return {legacy: list(sparsity.get("targets") or [])}, list(sparsity.get("ignore") or [])
-    return ({TWO_FOUR_FORMAT: list(quantization.get("targets") or []),
-             BITMASK_FORMAT: list(quantization.get("bitmask_targets") or [])},
-            list(quantization.get("ignore") or []))  # fmt: skip
+    return (
+        {
+            TWO_FOUR_FORMAT: list(quantization.get("targets") or []),
+            BITMASK_FORMAT: list(quantization.get("bitmask_targets") or []),
+        },
+        list(quantization.get("ignore") or []),
+    )

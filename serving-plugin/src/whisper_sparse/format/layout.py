@@ -89,8 +89,9 @@ def weight_files(directory: Path) -> list[Path]:
     return [directory / "model.safetensors"]
 
 
-def verify_compressed_layers(files, expected_shapes: dict | None = None,
-                             declared: dict | None = None) -> dict[str, StoredLayer]:  # fmt: skip
+def verify_compressed_layers(
+    files, expected_shapes: dict | None = None, declared: dict | None = None
+) -> dict[str, StoredLayer]:
     """Check every compressed layer stored in the safetensors ``files`` before any weight
     is loaded: a layer with ``row_offsets`` in ``bitmask``'s layout (``check_bitmask``),
     any other in ``two_four``'s (``check_compressed``); its ``.shape`` against
@@ -108,8 +109,7 @@ def verify_compressed_layers(files, expected_shapes: dict | None = None,
                 raise CorruptCheckpointError(f"{path} cannot be read: {error}") from error
             where.update(dict.fromkeys(handle.keys(), handle))
         names = sorted(key[: -len(".bitmask")] for key in where if key.endswith(".bitmask"))
-        layers = {name: _verified(where, name, (expected_shapes or {}).get(name))
-                  for name in names}  # fmt: skip
+        layers = {name: _verified(where, name, (expected_shapes or {}).get(name)) for name in names}
     for name, format in (declared or {}).items():
         stored = layers.get(name)
         if stored is None or stored.format != format:
@@ -150,8 +150,9 @@ def add_loader_guard(directory: str | Path) -> None:
     config_path.write_text(json.dumps(config, indent=2))
 
 
-def write_compressed(directory: str | Path, two_four: list[str],
-                     unstructured: list[str] = ()) -> dict:  # fmt: skip
+def write_compressed(
+    directory: str | Path, two_four: list[str], unstructured: list[str] = ()
+) -> dict:
     """Rewrite the saved checkpoint in ``directory``: the ``NAME.weight`` of every
     ``two_four`` layer in ``two_four``'s layout (one that is not exactly 2:4 raises
     ``NotTwoFourError`` naming it, before anything is written), of every ``unstructured``
@@ -179,8 +180,10 @@ def write_compressed(directory: str | Path, two_four: list[str],
         raise ValueError(f"{directory} has no tensor {missing[0]} (of {len(missing)} targets)")
     for path, (tensors, metadata) in files.items():
         save_file(tensors, path, metadata=metadata or {"format": "pt"})
-    by_format = {format: sorted(name for name, (f, _) in stored.items() if f == format)
-                 for format in (TWO_FOUR_FORMAT, BITMASK_FORMAT, None)}  # fmt: skip
+    by_format = {
+        format: sorted(name for name, (f, _) in stored.items() if f == format)
+        for format in (TWO_FOUR_FORMAT, BITMASK_FORMAT, None)
+    }
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())
@@ -196,9 +199,11 @@ def write_compressed(directory: str | Path, two_four: list[str],
         )
         config["transformers_weights"] = STOCK_LOADER_GUARD
         config_path.write_text(json.dumps(config, indent=2))
-    return _sizes(files, stored) | {"two_four": by_format[TWO_FOUR_FORMAT],
-                                    "bitmask": by_format[BITMASK_FORMAT],
-                                    "kept_dense": by_format[None]}  # fmt: skip
+    return _sizes(files, stored) | {
+        "two_four": by_format[TWO_FOUR_FORMAT],
+        "bitmask": by_format[BITMASK_FORMAT],
+        "kept_dense": by_format[None],
+    }
 
 
 def _sizes(files: dict, stored: dict) -> dict:
@@ -209,11 +214,18 @@ def _sizes(files: dict, stored: dict) -> dict:
 
     checkpoint = sum(size(tensors.values()) for tensors, _ in files.values())
     dense = sum(d for f, d in stored.values() if f is not None)
-    compressed = sum(size(tensors[f"{name}.{part}"] for part in PARTS[f])
-                     for tensors, _ in files.values() for name, (f, _) in stored.items()
-                     if f is not None and f"{name}.compressed" in tensors)  # fmt: skip
-    return {"dense_bytes": dense, "compressed_bytes": compressed, "checkpoint_bytes": checkpoint,
-            "dense_checkpoint_bytes": checkpoint - compressed + dense}  # fmt: skip
+    compressed = sum(
+        size(tensors[f"{name}.{part}"] for part in PARTS[f])
+        for tensors, _ in files.values()
+        for name, (f, _) in stored.items()
+        if f is not None and f"{name}.compressed" in tensors
+    )
+    return {
+        "dense_bytes": dense,
+        "compressed_bytes": compressed,
+        "checkpoint_bytes": checkpoint,
+        "dense_checkpoint_bytes": checkpoint - compressed + dense,
+    }
 
 
 def _compress_files(directory: Path, wanted: dict, always: bool):
@@ -251,8 +263,11 @@ def _compressed_parts(weight: torch.Tensor, name: str, format: str, always: bool
     shape = torch.tensor(list(weight.shape)).reshape(-1, 1)
     if format == TWO_FOUR_FORMAT:
         compressed, bitmask = compress_24(weight, name)
-        return {f"{name}.compressed": compressed, f"{name}.bitmask": bitmask,
-                f"{name}.shape": shape}  # fmt: skip
+        return {
+            f"{name}.compressed": compressed,
+            f"{name}.bitmask": bitmask,
+            f"{name}.shape": shape,
+        }
     rows, columns = weight.shape
     kept = int(nonzero(weight).sum())
     if not always and bitmask_bytes(rows, columns, kept, weight.element_size()) >= (
@@ -260,8 +275,12 @@ def _compressed_parts(weight: torch.Tensor, name: str, format: str, always: bool
     ):
         return None
     compressed, bitmask, row_offsets = compress_bitmask(weight)
-    return {f"{name}.compressed": compressed, f"{name}.bitmask": bitmask,
-            f"{name}.row_offsets": row_offsets, f"{name}.shape": shape}  # fmt: skip
+    return {
+        f"{name}.compressed": compressed,
+        f"{name}.bitmask": bitmask,
+        f"{name}.row_offsets": row_offsets,
+        f"{name}.shape": shape,
+    }
 
 
 def write_dense_layout(source: str | Path, target: str | Path) -> Path:
@@ -285,8 +304,12 @@ def write_dense_layout(source: str | Path, target: str | Path) -> Path:
             name = key[: -len(".compressed")]
             shape = tensors.pop(f"{name}.shape").reshape(-1).tolist()
             tensors[f"{name}.weight"] = decompress_stored(
-                tensors.pop(key), tensors.pop(f"{name}.bitmask"),
-                tensors.pop(f"{name}.row_offsets", None), shape, name)  # fmt: skip
+                tensors.pop(key),
+                tensors.pop(f"{name}.bitmask"),
+                tensors.pop(f"{name}.row_offsets", None),
+                shape,
+                name,
+            )
         save_file(tensors, target / path.name, metadata=metadata or {"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, path.name))
     index = source / "model.safetensors.index.json"

@@ -81,8 +81,12 @@ def _nibble_table(high_marks: int | None) -> torch.Tensor:
     """Per byte value: two marks in its low nibble and ``high_marks`` in its high one
     (``None``: two, as in a full byte; ``0``: none, the padding of a last half byte)."""
     ones = [bin(value).count("1") for value in range(16)]
-    return torch.tensor([ones[b & 15] == 2 and (ones[b >> 4] == 2 if high_marks is None
-                                                else b >> 4 == 0) for b in range(256)])  # fmt: skip
+    return torch.tensor(
+        [
+            ones[b & 15] == 2 and (ones[b >> 4] == 2 if high_marks is None else b >> 4 == 0)
+            for b in range(256)
+        ]
+    )
 
 
 _FULL_BYTE, _LAST_HALF_BYTE = _nibble_table(None), _nibble_table(0)
@@ -95,9 +99,16 @@ def check_compressed(compressed, bitmask, shape, name: str = "weight") -> None:
     ``compressed``'s values. Raises ``CorruptCheckpointError`` naming the layer and the
     tensor (``compressed`` is read for its shape only: a meta tensor will do)."""
     rows, columns = int(shape[0]), int(shape[1])
-    check_part_shapes(name, shape, {"bitmask": (bitmask, (rows, -(-columns // 8))),
-                                    "compressed": (compressed, (rows, columns // 2))},
-                      " (inputs a multiple of 4)", holdable=columns % 4 == 0)  # fmt: skip
+    check_part_shapes(
+        name,
+        shape,
+        {
+            "bitmask": (bitmask, (rows, -(-columns // 8))),
+            "compressed": (compressed, (rows, columns // 2)),
+        },
+        " (inputs a multiple of 4)",
+        holdable=columns % 4 == 0,
+    )
     values = bitmask.to(torch.long)
     full = columns // 8
     valid = _FULL_BYTE.to(bitmask.device)[values[:, :full]].all()

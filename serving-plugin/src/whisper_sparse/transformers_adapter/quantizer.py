@@ -66,8 +66,15 @@ class SparseTransformersConfig(QuantizationConfigMixin):
     """``config.json``'s ``quantization_config`` of a compressed sparse checkpoint
     (``format.declaration``)."""
 
-    def __init__(self, targets=None, format="sparse-24-bitmask", sparsity_structure="2:4",
-                 quantization_config=None, bitmask_targets=None, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        targets=None,
+        format="sparse-24-bitmask",
+        sparsity_structure="2:4",
+        quantization_config=None,
+        bitmask_targets=None,
+        **kwargs,
+    ):
         self.quant_method = QUANT_METHOD
         self.quantization_config = quantization_config  # of a W8A8 / FP8 chain
         self.targets = list(targets or [])
@@ -92,8 +99,7 @@ class SparseDecompress(ConversionOps):
         scale = first("weight_scale") if input_dict.get("weight_scale") else None
         layer = (full_layer_name or "weight").removesuffix(".weight")
         row_offsets = first("row_offsets") if input_dict.get("row_offsets") else None
-        dense = decompress_stored(first("compressed"), first("bitmask"), row_offsets, shape,
-                                  layer)  # fmt: skip
+        dense = decompress_stored(first("compressed"), first("bitmask"), row_offsets, shape, layer)
         dense = dequantize(dense, scale)
         if model is not None and full_layer_name is not None:
             module, name = get_module_from_name(model, full_layer_name)
@@ -124,17 +130,26 @@ class SparseHfQuantizer(HfQuantizer):
             delattr(config, "transformers_weights")
         return super().update_tp_plan(config)
 
-    def _process_model_before_weight_loading(self, model, checkpoint_files=None, device_map=None,
-                                             dtype=None, **kwargs):  # fmt: skip
+    def _process_model_before_weight_loading(
+        self, model, checkpoint_files=None, device_map=None, dtype=None, **kwargs
+    ):
         # every stored layer is checked here, before loading: an error raised during
         # transformers' weight conversion is only logged in its report
-        linears = {name: module for name, module in model.named_modules()
-                   if isinstance(module, torch.nn.Linear)}  # fmt: skip
+        linears = {
+            name: module
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        }
         expected = {name: tuple(module.weight.shape) for name, module in linears.items()}
         declared = self.quantization_config
-        layers = verify_compressed_layers(checkpoint_files or [], expected, {
-            **dict.fromkeys(declared.targets, TWO_FOUR_FORMAT),
-            **dict.fromkeys(declared.bitmask_targets, BITMASK_FORMAT)})  # fmt: skip
+        layers = verify_compressed_layers(
+            checkpoint_files or [],
+            expected,
+            {
+                **dict.fromkeys(declared.targets, TWO_FOUR_FORMAT),
+                **dict.fromkeys(declared.bitmask_targets, BITMASK_FORMAT),
+            },
+        )
         if self._keeps_compressed(device_map, dtype or torch.get_default_dtype()):
             for name, stored in layers.items():
                 linear = linears[name]
@@ -142,11 +157,14 @@ class SparseHfQuantizer(HfQuantizer):
                 sizes = (linear.out_features, linear.in_features)
                 if stored.format == BITMASK_FORMAT:
                     sizes += (stored.values,)
-                module = (CpuBitmaskLinear if stored.format == BITMASK_FORMAT
-                          else CpuSparse24Linear)  # fmt: skip
-                setattr(model.get_submodule(parent), child, module(
-                    *sizes, linear.bias is not None, linear.weight.dtype,
-                    linear.weight.device))  # fmt: skip
+                module = CpuBitmaskLinear if stored.format == BITMASK_FORMAT else CpuSparse24Linear
+                setattr(
+                    model.get_submodule(parent),
+                    child,
+                    module(
+                        *sizes, linear.bias is not None, linear.weight.dtype, linear.weight.device
+                    ),
+                )
             self.compressed_layers = list(layers)
         return model
 
@@ -174,7 +192,7 @@ class SparseHfQuantizer(HfQuantizer):
             for conversion in getattr(model, "_weight_conversions", None) or []
             if not any(
                 isinstance(op, SparseDecompress) for op in getattr(conversion, "operations", [])
-            )  # fmt: skip
+            )
         ]
         return model
 

@@ -29,8 +29,16 @@ from whisper_sparse.format.bits import CorruptCheckpointError
 __all__ = ["register_bitmask", "take_bitmask"]
 
 
-def register_bitmask(layer, name, input_size_per_partition, input_size, rows, dtype,
-                     weight_loader, extra_weight_attrs) -> None:  # fmt: skip
+def register_bitmask(
+    layer,
+    name,
+    input_size_per_partition,
+    input_size,
+    rows,
+    dtype,
+    weight_loader,
+    extra_weight_attrs,
+) -> None:
     """Placeholder ``compressed`` / ``bitmask`` / ``row_offsets`` / ``shape`` parameters on
     ``layer`` whose loaders keep each stored part's tensors, and the two stand-ins (not
     parameters: the checkpoint has no such tensors) that vLLM's ``weight_loader`` fills."""
@@ -44,8 +52,9 @@ def register_bitmask(layer, name, input_size_per_partition, input_size, rows, dt
         stand_in.output_dim = 0
     dtypes = {"compressed": dtype, "bitmask": torch.uint8}  # offsets and shape: int64
     for part in BITMASK_PARTS:
-        parameter = torch.nn.Parameter(torch.empty(0, dtype=dtypes.get(part, torch.int64)),
-                                       requires_grad=False)  # fmt: skip
+        parameter = torch.nn.Parameter(
+            torch.empty(0, dtype=dtypes.get(part, torch.int64)), requires_grad=False
+        )
         layer.register_parameter(part, parameter)
         for key, value in extra_weight_attrs.items():
             setattr(parameter, key, value)
@@ -70,8 +79,9 @@ def _keeping_loader(layer, part, weight_loader):
         fills = {"row": torch.arange(stored_rows), "part": torch.full((stored_rows,), number)}
         for key, stand_in in layer.sparse_row_source.items():
             try:
-                weight_loader(stand_in, fills[key], *(() if shard is None else (shard,)),
-                              *args, **kwargs)  # fmt: skip
+                weight_loader(
+                    stand_in, fills[key], *(() if shard is None else (shard,)), *args, **kwargs
+                )
             except AssertionError as error:  # vLLM's shape assertion, on the rows
                 raise CorruptCheckpointError(
                     f"{label} has {stored_rows} rows, which do not fit the layer's "
@@ -100,15 +110,17 @@ def take_bitmask(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if (parts_of_rows < 0).any():
         first = int((parts_of_rows < 0).nonzero()[0])
         raise CorruptCheckpointError(f"{name}: row {first} of the layer is not in the checkpoint")
-    numbers = {number: layer.sparse_stored[shard]
-               for shard, number in layer.sparse_part_numbers.items()}  # fmt: skip
+    numbers = {
+        number: layer.sparse_stored[shard] for shard, number in layer.sparse_part_numbers.items()
+    }
     values, bitmask, row_offsets = _placed_rows(numbers, rows, parts_of_rows)
     values = values.to(layer.sparse_values_dtype)
     out_rows, columns = layer.sparse_dense_shape
     if columns != layer.sparse_input_size:  # a row-parallel shard: this rank's inputs
         start = layer.tp_rank * columns
-        dense = decompress_bitmask(values, bitmask, row_offsets,
-                                   (out_rows, layer.sparse_input_size), name)  # fmt: skip
+        dense = decompress_bitmask(
+            values, bitmask, row_offsets, (out_rows, layer.sparse_input_size), name
+        )
         values, bitmask, row_offsets = compress_bitmask(dense[:, start : start + columns])
     for part in BITMASK_PARTS:
         delattr(layer, part)

@@ -86,9 +86,12 @@ class SparseConfig(QuantizationConfig):
         ``Linear`` are kept."""
 
         def renamed(names: list[str]) -> list[str]:
-            mapped = [hf_to_vllm_mapper.map_name(name)
-                      if "." in name and not name.startswith("re:") else name
-                      for name in names]  # fmt: skip
+            mapped = [
+                hf_to_vllm_mapper.map_name(name)
+                if "." in name and not name.startswith("re:")
+                else name
+                for name in names
+            ]
             return [name for name in mapped if name is not None]
 
         self.targets = {format: renamed(names) for format, names in self.targets.items()}

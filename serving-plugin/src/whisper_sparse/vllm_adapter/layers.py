@@ -59,13 +59,28 @@ class SparseLinearMethod(UnquantizedLinearMethod):
         self.format = format
         self.vllm_config = vllm_config  # whose compile-cache key records the kernel
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
-                       input_size, output_size, params_dtype,
-                       **extra_weight_attrs):  # fmt: skip
+    def create_weights(
+        self,
+        layer,
+        input_size_per_partition,
+        output_partition_sizes,
+        input_size,
+        output_size,
+        params_dtype,
+        **extra_weight_attrs,
+    ):
         weight_loader = extra_weight_attrs.pop("weight_loader")
-        register_compressed(layer, self.name, self.format, input_size_per_partition,
-                            input_size, sum(output_partition_sizes), params_dtype,
-                            weight_loader, extra_weight_attrs)  # fmt: skip
+        register_compressed(
+            layer,
+            self.name,
+            self.format,
+            input_size_per_partition,
+            input_size,
+            sum(output_partition_sizes),
+            params_dtype,
+            weight_loader,
+            extra_weight_attrs,
+        )
 
     def process_weights_after_loading(self, layer) -> None:
         self._process_weights(layer)
@@ -79,13 +94,20 @@ class SparseLinearMethod(UnquantizedLinearMethod):
         if kernel is not None:
             layer.sparse_kernel = kernel
             plan = kernel.plan
-            self._note(kernel_mode(), {"cpu_gemm_from": plan.gemm_from,
-                                       "cpu_lanes_until": plan.lanes_until,
-                                       "cpu_tiled_from": plan.tiled_from,
-                                       "cpu_brgemm_until": plan.brgemm_until})  # fmt: skip
+            self._note(
+                kernel_mode(),
+                {
+                    "cpu_gemm_from": plan.gemm_from,
+                    "cpu_lanes_until": plan.lanes_until,
+                    "cpu_tiled_from": plan.tiled_from,
+                    "cpu_brgemm_until": plan.brgemm_until,
+                },
+            )
             dtype = str(kernel.compressed.dtype).removeprefix("torch.")
-            logger.info_once(f"{kernel.served.layout} CPU op, [{rows} x {columns}] {dtype} layers"
-                             f"{self._density(kernel)}: {plan.describe()}")  # fmt: skip
+            logger.info_once(
+                f"{kernel.served.layout} CPU op, [{rows} x {columns}] {dtype} layers"
+                f"{self._density(kernel)}: {plan.describe()}"
+            )
             return
         weight = dense_of(stored, (rows, columns), self.name)
         del stored
@@ -116,9 +138,11 @@ class SparseLinearMethod(UnquantizedLinearMethod):
             return None
         kernel = cpu_serving_kernel(compressed, bitmask, columns, self.name, row_offsets)
         if kernel is None:
-            logger.info_once(f"{layout} layers whose measured CPU op was slower than dense at "
-                             f"one token run dense (set {KERNEL_MODE_VARIABLE}=sparse to keep "
-                             "them compressed)")  # fmt: skip
+            logger.info_once(
+                f"{layout} layers whose measured CPU op was slower than dense at "
+                f"one token run dense (set {KERNEL_MODE_VARIABLE}=sparse to keep "
+                "them compressed)"
+            )
         return kernel
 
     def _note(self, mode: str, plan: dict | None) -> None:
@@ -146,12 +170,25 @@ class QuantizedChainLinearMethod(LinearMethodBase):
         self.inner = inner
         self.format = format  # of the stored weight; None: stored dense
 
-    def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
-                       input_size, output_size, params_dtype,
-                       **extra_weight_attrs):  # fmt: skip
-        self.inner.create_weights(layer, input_size_per_partition, output_partition_sizes,
-                                  input_size, output_size, params_dtype,
-                                  **extra_weight_attrs)  # fmt: skip
+    def create_weights(
+        self,
+        layer,
+        input_size_per_partition,
+        output_partition_sizes,
+        input_size,
+        output_size,
+        params_dtype,
+        **extra_weight_attrs,
+    ):
+        self.inner.create_weights(
+            layer,
+            input_size_per_partition,
+            output_partition_sizes,
+            input_size,
+            output_size,
+            params_dtype,
+            **extra_weight_attrs,
+        )
         layer.sparse_params_dtype = params_dtype
         if self.format is None:
             return
@@ -159,9 +196,17 @@ class QuantizedChainLinearMethod(LinearMethodBase):
         del layer.weight
         layer.sparse_weight_class = type(quantized)
         extra = {k: v for k, v in extra_weight_attrs.items() if k != "weight_loader"}
-        register_compressed(layer, self.name, self.format, input_size_per_partition,
-                            input_size, sum(output_partition_sizes), quantized.dtype,
-                            extra_weight_attrs["weight_loader"], extra)  # fmt: skip
+        register_compressed(
+            layer,
+            self.name,
+            self.format,
+            input_size_per_partition,
+            input_size,
+            sum(output_partition_sizes),
+            quantized.dtype,
+            extra_weight_attrs["weight_loader"],
+            extra,
+        )
 
     def process_weights_after_loading(self, layer) -> None:
         self._process_weights(layer)
@@ -186,9 +231,11 @@ class QuantizedChainLinearMethod(LinearMethodBase):
         if emulated_fp8(layer):  # vLLM's FP8 path here is torch._scaled_mm emulation
             dtype = layer.sparse_params_dtype
             dense = dequantized_fp8_weight(weight, layer.weight_scale.data, widths, dtype)
-            logger.warning_once(EMULATED_FP8_NOTE.format(
-                kernel=type(layer.scheme.fp8_linear).__name__, dtype=str(dtype).split(".")[-1]
-            ))  # fmt: skip
+            logger.warning_once(
+                EMULATED_FP8_NOTE.format(
+                    kernel=type(layer.scheme.fp8_linear).__name__, dtype=str(dtype).split(".")[-1]
+                )
+            )
             for name in ("weight", "weight_scale", "input_scale"):
                 if hasattr(layer, name):
                     delattr(layer, name)

@@ -30,17 +30,42 @@ __all__ = [
 ]
 
 
-def register_compressed(layer, name, format, input_size_per_partition, input_size, rows, dtype,
-                        weight_loader, extra_weight_attrs) -> None:  # fmt: skip
+def register_compressed(
+    layer,
+    name,
+    format,
+    input_size_per_partition,
+    input_size,
+    rows,
+    dtype,
+    weight_loader,
+    extra_weight_attrs,
+) -> None:
     """The stored tensors of a layer in ``format`` as parameters of ``layer``."""
     layer.sparse_format = format
     register = register_bitmask if format == BITMASK_FORMAT else _register_two_four
-    register(layer, name, input_size_per_partition, input_size, rows, dtype, weight_loader,
-             extra_weight_attrs)  # fmt: skip
+    register(
+        layer,
+        name,
+        input_size_per_partition,
+        input_size,
+        rows,
+        dtype,
+        weight_loader,
+        extra_weight_attrs,
+    )
 
 
-def _register_two_four(layer, name, input_size_per_partition, input_size, rows, dtype,
-                       weight_loader, extra_weight_attrs) -> None:  # fmt: skip
+def _register_two_four(
+    layer,
+    name,
+    input_size_per_partition,
+    input_size,
+    rows,
+    dtype,
+    weight_loader,
+    extra_weight_attrs,
+) -> None:
     """``compressed`` / ``bitmask`` / ``shape`` parameters on ``layer``, loaded by vLLM's
     own (v1) loader of the layer: rows are outputs, so merged and column shards are row
     ranges, and a row-parallel shard narrows the columns (whole groups and bytes only)."""
@@ -61,8 +86,9 @@ def _register_two_four(layer, name, input_size_per_partition, input_size, rows, 
         ("compressed", input_size_per_partition // 2, dtype),
         ("bitmask", -(-input_size_per_partition // 8), torch.uint8),  # whole bytes per row
     ):
-        parameter = torch.nn.Parameter(torch.empty(rows, columns, dtype=part_dtype),
-                                       requires_grad=False)  # fmt: skip
+        parameter = torch.nn.Parameter(
+            torch.empty(rows, columns, dtype=part_dtype), requires_grad=False
+        )
         layer.register_parameter(part, parameter)
         parameter.output_dim, parameter.input_dim = 0, 1
         stored_columns = input_size // 2 if part == "compressed" else -(-input_size // 8)

@@ -29,15 +29,20 @@ class CastNote(logging.Filter):
         self.said = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not (isinstance(record.msg, str) and record.msg.startswith("Attempted to load weight")
-                and len(record.args or ()) == 3):  # fmt: skip
+        if not (
+            isinstance(record.msg, str)
+            and record.msg.startswith("Attempted to load weight")
+            and len(record.args or ()) == 3
+        ):
             return True
         if self.said:
             return False
         self.said = True
         _, stored, served = record.args
-        record.msg = ("the checkpoint's %s weights are cast to %s as they load (vLLM's --dtype);"
-                      " this is said once for all of them")  # fmt: skip
+        record.msg = (
+            "the checkpoint's %s weights are cast to %s as they load (vLLM's --dtype);"
+            " this is said once for all of them"
+        )
         record.args = (str(stored).removeprefix("torch."), str(served).removeprefix("torch."))
         return True
 
