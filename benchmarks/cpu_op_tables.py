@@ -19,7 +19,7 @@ def markdown(payload: dict) -> str:
 
     vllm = any(row.get("vllm_ratio") for rows in payload["shapes"].values() for row in rows)
     lines = [
-        f"# The 2:4 CPU op against dense `F.linear` ({payload['dtype']})",
+        f"# The sparse CPU op against dense `F.linear` ({payload['dtype']})",
         "",
         f"CPU: {payload['cpu']}",
         "",
@@ -87,7 +87,7 @@ def plot(payload: dict, path: Path) -> None:
     axis.set_xscale("log", base=2)
     axis.set_xlabel("tokens per call (M)")
     axis.set_ylabel("dense time / 2:4 op time\n(solid: F.linear; dashed: vLLM's oneDNN)")
-    axis.set_title(f"2:4 CPU op, {payload['dtype']}\n{_wrapped(payload['cpu'])}", fontsize=8)
+    axis.set_title(f"sparse CPU op, {payload['dtype']}\n{_wrapped(payload['cpu'])}", fontsize=8)
     axis.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

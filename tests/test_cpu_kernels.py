@@ -1,4 +1,4 @@
-"""The 2:4 CPU op against its pure-torch reference (``format.decompress_24`` then
+"""The sparse CPU op against its pure-torch reference (``format.decompress_24`` then
 ``F.linear``), on every instruction set this CPU runs (``supported_isas``: AVX2, AVX-512,
 AVX-512 with BF16), so a CI machine of either kind checks what it can run.
 

@@ -593,7 +593,7 @@ def test_correctness_harness_compares_compressed_and_dense_in_vllm(
 ):
     """benchmarks/vllm_correctness.py on a whisper-prune checkpoint, in the plugin's
     ``sparse`` mode (after the other tests' engines ran in ``auto``: a mode switch on one
-    machine): the compressed layout runs the 2:4 CPU op (cuSPARSELt on a GPU), the dense
+    machine): the compressed layout runs the sparse CPU op (cuSPARSELt on a GPU), the dense
     one vLLM's dense path on the same weights, so greedy tokens agree and
     log-probabilities to float32 rounding (exactly where the op cannot run here and both
     run dense)."""

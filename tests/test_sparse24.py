@@ -119,7 +119,7 @@ def test_whisper_prune_writes_the_compressed_layout_and_it_reloads_bit_identical
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
 
     # plain transformers, after `import whisper_modifiers` (its quantizer registration), on
-    # a CPU where the 2:4 CPU op runs: every 2:4 Linear stays compressed (the checkpoint's
+    # a CPU where the sparse CPU op runs: every 2:4 Linear stays compressed (the checkpoint's
     # own tensors) and runs the op; save_pretrained writes the compressed layout again,
     # guard included, and it reloads the same
     plain = AutoModelForCausalLM.from_pretrained(compressed, dtype=torch.float32)
