@@ -655,7 +655,6 @@ def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(mon
     over the format's rows back to back: 25 % of 4096 float32 inputs is 4 KiB a row."""
     from whisper_sparse.cpu import plans as cpu_plans
     from whisper_sparse.cpu import served_layer as served_module
-    from whisper_sparse.cpu.linear import cpu_serving_kernel
     from whisper_sparse.format.bitmask import compress_bitmask
 
     seen = []
@@ -670,11 +669,9 @@ def test_an_unstructured_plan_times_the_rows_as_the_served_module_holds_them(mon
         served_module, "random_unstructured", lambda rows, columns, dtype, density: weight
     )
     cpu_plans.measure_cpu_plan(8, 4096, torch.float32, ladder=(1,), density=0.25)
-    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "sparse")
-    served = cpu_serving_kernel(
-        *compress_bitmask(weight)[:2], 4096, "layer", compress_bitmask(weight)[2]
-    )
-    assert seen and served.compressed.numel() > compress_bitmask(weight)[0].numel()
+    values, bitmask, row_offsets = compress_bitmask(weight)
+    served = served_module.served_layer(values, bitmask, 4096, row_offsets, "layer")
+    assert seen and served.compressed.numel() > values.numel()
     assert {numel for numel, _ in seen} == {served.compressed.numel()}
     assert all(torch.equal(offsets, served.row_offsets) for _, offsets in seen)
 

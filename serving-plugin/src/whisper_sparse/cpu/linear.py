@@ -18,7 +18,7 @@ import torch
 
 from whisper_sparse.cpu.op import CPU_KERNEL_DTYPES, cpu_kernels_unavailable
 from whisper_sparse.cpu.plans import CpuPlan, cpu_plan
-from whisper_sparse.cpu.served_layer import ServedLayer, served_layer
+from whisper_sparse.cpu.served_layer import ServedLayer, served_layer, share_kept
 from whisper_sparse.mode import KERNEL_MODE_VARIABLE, kernel_mode
 
 __all__ = [
@@ -60,8 +60,7 @@ class CpuSparseLinear(torch.nn.Module):
     @classmethod
     def serving(cls, served: ServedLayer, plan: CpuPlan | None = None) -> CpuSparseLinear:
         """A module over a served layer (``served_layer``), holding its tensors."""
-        module = cls(served.out_features, served.in_features, device="meta", plan=plan)
-        module.shape = _frozen(torch.tensor([[served.out_features], [served.in_features]]))
+        module = cls(served.out_features, served.in_features, plan=plan)
         for name, tensor in served.tensors().items():
             setattr(module, name, _frozen(tensor))
         module.served = served
@@ -186,7 +185,8 @@ def cpu_serving_kernel(
     if cpu_serving_refusal(compressed.device, compressed.dtype) is not None:
         return None
     rows = bitmask.shape[0]
-    density = None if row_offsets is None else compressed.numel() / max(1, rows * in_features)
+    # the plan first: where ``auto`` serves the layer dense, no served form is built
+    density = None if row_offsets is None else share_kept(compressed.numel(), rows, in_features)
     plan = cpu_plan(rows, in_features, compressed.dtype, density)
     if kernel_mode() == "auto" and not plan.faster_at_decode:
         return None

@@ -33,8 +33,9 @@ from whisper_sparse.cpu.op import (
     two_four_cpu_linear,
 )
 from whisper_sparse.cpu.row_spread import spread_for_op
-from whisper_sparse.format.bitmask import check_bitmask, compress_bitmask
-from whisper_sparse.format.two_four import check_compressed, compress_24
+from whisper_sparse.format.bitmask import compress_bitmask
+from whisper_sparse.format.layout import check_stored
+from whisper_sparse.format.two_four import compress_24
 
 __all__ = [
     "GroupedLayer",
@@ -45,7 +46,13 @@ __all__ = [
     "random_two_four",
     "random_unstructured",
     "served_layer",
+    "share_kept",
 ]
+
+
+def share_kept(kept_values: int, out_features: int, in_features: int) -> float:
+    """The share of a ``[out_features, in_features]`` weight that ``kept_values`` fill."""
+    return kept_values / max(1, out_features * in_features)
 
 
 class ServedLayer:
@@ -68,7 +75,7 @@ class ServedLayer:
         """The share of the weight kept (None: a 2:4 layer)."""
         if self.kept_values is None:
             return None
-        return self.kept_values / max(1, self.out_features * self.in_features)
+        return share_kept(self.kept_values, self.out_features, self.in_features)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -193,15 +200,14 @@ def served_layer(
     grouped: bool | None = None,
 ) -> ServedLayer:
     """The served form of a layer's stored tensors (2:4, or unstructured where
-    ``row_offsets`` are given), after their check (``check_compressed``, ``check_bitmask``:
+    ``row_offsets`` are given), after their check (``format.layout.check_stored``:
     the op reads the kept values by position). ``as_stored``: an unstructured layer's rows
     as stored, for a caller that saves them back; ``grouped``: whether an unstructured
     layer is grouped (None: where ``grouped_layout_runs``; benchmarks compare both)."""
     rows = bitmask.shape[0]
+    check_stored(compressed, bitmask, row_offsets, (rows, in_features), name)
     if row_offsets is None:
-        check_compressed(compressed, bitmask, (rows, in_features), name)
         return TwoFourLayer(compressed, bitmask, in_features)
-    check_bitmask(compressed, bitmask, row_offsets, (rows, in_features), name)
     kept = compressed.numel()
     row_offsets = row_offsets.to(torch.int64)  # legacy checkpoints store int32
     if as_stored:
