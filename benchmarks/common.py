@@ -213,6 +213,19 @@ def ratio_spread(ratios: list[float]) -> dict:
     return {"ratio": statistics.median(ratios), "lowest": min(ratios), "highest": max(ratios)}
 
 
+def run_stamp() -> dict:
+    """When and from which commit a result was measured, for the journal and the summary."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": commit or "unknown"}
+
+
 def write_json(path: Path, payload) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))

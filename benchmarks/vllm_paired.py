@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, balanced_orders, check_serving_sparsities, write_json  # noqa: E402
+from common import RESULTS, balanced_orders, check_serving_sparsities, run_stamp, write_json  # noqa: E402
 from cpu_layers import cpu_line  # noqa: E402
 from pruned_models import LLAMA_SIZES  # noqa: E402
 from vllm_engine import Workload, check_workloads  # noqa: E402
@@ -225,6 +225,7 @@ def main(argv=None) -> int:
     payload = {
         "config": vars(args) | {"out": str(args.out), "python": python},
         "cpu": cpu_line(),
+        **run_stamp(),
         "engines": {},
         "runs": {},
     }

@@ -3,6 +3,7 @@ its llmcompressor base (or whose default it changes) has a row naming that modif
 its default; no row names a field or a modifier that does not have it."""
 
 import re
+import runpy
 
 import yaml
 from pydantic_core import PydanticUndefined
@@ -89,3 +90,73 @@ def test_a_wrong_or_missing_row_is_found():
     assert "('RIAModifier', 'ria_exponent') is not documented" in mismatches(missing)
     extra = [*rows, ("seed", ["OneShotMagnitudeModifier"], "`0`")]
     assert "('OneShotMagnitudeModifier', 'seed') does not exist" in mismatches(extra)
+
+
+# -- README's results table, and every link and path of README.md and docs/ ---------------
+
+PATH_ROOTS = (
+    "",
+    "src",
+    "src/whisper_modifiers",
+    "serving-plugin/src",
+    "serving-plugin/src/whisper_sparse",
+    "serving-plugin/src/whisper_sparse/cpu",
+    "serving-plugin/src/whisper_sparse/cpu/kernels",
+    "benchmarks/results",
+    "tests",
+)
+PATH_SUFFIXES = (".py", ".md", ".cpp", ".h", ".sh", ".yaml", ".json", ".toml", ".png")
+PLACEHOLDERS = re.compile(r"[*{}<>$~…]|^NAME|^DIR")
+
+
+def front_door_and_docs():
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def unresolved(doc, text: str) -> list[str]:
+    """The links and code-span paths of ``text`` (the file ``doc``) that name no file."""
+    missing = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://|mailto:|#", target):
+            continue
+        path = target.split("#", 1)[0]
+        if not (doc.parent / path).exists():
+            missing.append(f"link {target}")
+    for span in re.findall(r"`([^`\s]+)`", text):
+        if "/" not in span or not span.endswith(PATH_SUFFIXES) or PLACEHOLDERS.search(span):
+            continue
+        roots = [doc.parent, *(REPO / root for root in PATH_ROOTS)]
+        if not any((root / span).exists() for root in roots):
+            missing.append(f"path {span}")
+    return missing
+
+
+def test_every_link_and_path_in_the_readme_and_docs_resolves():
+    missing = {
+        doc.relative_to(REPO).as_posix(): unresolved(doc, doc.read_text())
+        for doc in front_door_and_docs()
+    }
+    assert {doc: found for doc, found in missing.items() if found} == {}
+
+
+def test_a_broken_link_or_path_is_found():
+    doc = REPO / "docs" / "serving.md"
+    text = "[x](gpu.md) [y](no-such.md) `cpu/plans.py` `cpu/no_such.py` `$CACHE/a.json`"
+    assert unresolved(doc, text) == ["link no-such.md", "path cpu/no_such.py"]
+
+
+def test_the_readme_results_table_is_the_summary_scripts():
+    summary = runpy.run_path(str(REPO / "benchmarks" / "summary.py"))
+    readme = (REPO / "README.md").read_text()
+    assert summary["with_table"](readme, summary["table"]()) == readme, (
+        "run python benchmarks/summary.py --write README.md"
+    )
+    assert summary["main"](["--check", str(REPO / "README.md")]) == 0
+
+
+def test_a_stale_results_table_is_found(tmp_path):
+    summary = runpy.run_path(str(REPO / "benchmarks" / "summary.py"))
+    stale = tmp_path / "README.md"
+    stale.write_text((REPO / "README.md").read_text().replace("×", "x", 1))
+    assert summary["main"](["--check", str(stale)]) == 1
+    assert len((REPO / "README.md").read_text().split()) <= 1200

@@ -118,13 +118,9 @@ def calibration_settings(
 def calibration_pipeline(choice: str = "auto") -> str:
     """``"whisper_layerwise"`` (``layerwise_pipeline``) or ``"sequential"`` (oneshot's
     default, each modifier through llmcompressor's sequential pipeline). ``auto``: ours on
-    a GPU, the faster one there and the one that holds about half the GPU memory (an H100,
-    two Llama-2-7B-shaped layers, 128 x 4096 tokens, activation cache on the GPU: Wanda
-    3.25 against 3.56 s per layer, Wisp+ 7.77 against 7.96, SparseGPT 14.53 against 14.60;
-    5.5 against 13.8 GiB for Wanda), and more so where the cache goes to the CPU (the
-    sequential pipeline's round trips cost most there: Wanda 11.5 s per layer on an H100,
-    docs/gpu.md); ``sequential`` on a CPU. Checks ``$WHISPER_LAYERWISE_ATTENTION`` when
-    ours is chosen."""
+    a GPU, where it was the faster of the two and held about half the GPU memory, and more
+    so where the cache goes to the CPU (docs/gpu.md); ``sequential`` on a CPU. Checks
+    ``$WHISPER_LAYERWISE_ATTENTION`` when ours is chosen."""
     import torch
 
     if choice not in PIPELINE_CHOICES:

@@ -232,7 +232,7 @@ def regularized_difference_hessian(
 def regularized_difference_norms(
     channel_norms: torch.Tensor, difference_norms: torch.Tensor, gamma: float
 ) -> torch.Tensor:
-    """The diagonal of Whisper's mixture, for the no-update methods (issue 14):
+    """The diagonal of Whisper's mixture, for the no-update methods:
     ``gamma ||X_j||^2 + (1 - gamma) (mu / mu_Delta) D``, with ``mu`` the mean of
     ``||X_j||^2`` and ``mu_Delta`` the mean of ``D``.
 

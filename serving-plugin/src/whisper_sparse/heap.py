@@ -5,13 +5,9 @@ resident memory does not fall when they are freed. Loading a compressed layer fr
 the CPU, the temporaries of its processing: vLLM's stand-in rows of a bitmask layer, a
 tensor-parallel rank's re-compressed columns, a plan's random weights, a decompressed
 weight replaced by its packed form. ``release_freed_heap`` (``malloc_trim(0)``, which also
-returns free pages inside the heap, glibc 2.8 on) gives them back after each layer.
-Measured in vLLM engines on the Zen 5 EPYC (12-layer 1b-shaped model, 3 rounds each, the
-same workloads): the resident memory saved against dense went from 0.30x to 0.51x of the
-dense weight bytes at 2:4, 0.37x to 0.51x at 50 % and 0.47x to 0.66x at 65 %. Part of that
-is dense vLLM's own freed pages, which it keeps: with every engine's returned, the saving is
-0.43x, 0.43x and 0.58x, what the weights save (0.44x, 0.44x, 0.59x)
-(benchmarks/results/cpu_vllm_speed_avx512_bf16/, docs/serving.md).
+returns free pages inside the heap, glibc 2.8 on) gives them back after each layer, so
+that the engine's resident memory saves what the weights save
+(benchmarks/results/JOURNAL.md).
 
 Imports only the standard library; elsewhere than glibc it does nothing.
 """

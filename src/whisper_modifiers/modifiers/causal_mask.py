@@ -1,5 +1,5 @@
 """Causal attention during calibration, where llmcompressor 0.14's sequential pipeline
-loses the mask (issue 36).
+loses the mask.
 
 The sequential pipeline forces eager attention for its traced graphs by patching the
 model's config. For some families (Qwen3-MoE, Mixtral under transformers 5.17) the

@@ -1,6 +1,6 @@
 """Which tokens of each calibration sequence the router sent to an MoE expert: the pairs
 of an expert's difference statistic are formed within them (paper Section 3: pairs within
-a sequence; issue 36).
+a sequence).
 
 llmcompressor runs an MoE layer's experts as Linears (``LinearExperts2D``): the block
 flattens its ``[b, s, h]`` input to ``[b s, h]`` tokens and hands them, with the router's

@@ -6,9 +6,8 @@ per-tensor scales, dynamic activations) with its AMX kernels only on CPUs with A
 (``CPUFp8PerTensorScaledMMLinearKernel``). Everywhere else (AVX2 and AVX-512 CPUs, and
 Sapphire Rapids for FP8_DYNAMIC's per-channel scales) it picks
 ``ChannelWiseTorchFP8ScaledMMLinearKernel`` / ``PerTensorTorchFP8ScaledMMLinearKernel``:
-``torch._scaled_mm`` on the CPU, a reference implementation. On SmolLM2-135M on a 2-core
-AVX-512 EPYC that decoded 5.4 tokens/s against 140 in bfloat16; on a Sapphire Rapids
-Xeon scoring 4 x 256 tokens did not finish in 20 minutes (docs/serving.md).
+``torch._scaled_mm`` on the CPU, a reference implementation, far slower than bfloat16
+(benchmarks/results/JOURNAL.md).
 
 There, ``emulated_fp8`` says so, and the plugin serves each FP8 layer with its weight
 dequantized, ``s_w * w_fp8`` in the model's dtype, through vLLM's unquantized path: the

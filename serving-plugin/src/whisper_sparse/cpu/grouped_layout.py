@@ -14,10 +14,8 @@ layer's last are all zeros), so that no value's address waits on a value's load,
 the values' end). ``PAD_VALUES`` zeros follow the last value, so that a kernel may load
 ``STEP_INPUTS`` values from anywhere in the layer.
 
-Measured before it was built (a throwaway probe beside the row kernels, the 7B projections,
-8 layers, one token, 2 threads, on a Zen 5 EPYC with AVX512_BF16): 65-67 GB/s of compressed
-weights read at 50 %, 65 % and 70 % in a fast memory phase, where the row kernels read 60,
-53 and 49 and dense 74; 43-45 against the rows' 37.5 in a slow phase (dense 44).
+A probe of this layout read faster than the row kernels before it was built
+(benchmarks/results/JOURNAL.md).
 
 Only the vLLM plugin's served layers hold it (``served_layer.GroupedLayer``), on
 ``avx512_bf16`` kernels with bfloat16 weights; ``group_layout`` builds it from a checked

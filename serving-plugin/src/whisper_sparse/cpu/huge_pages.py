@@ -1,13 +1,9 @@
 """A held tensor in transparent huge pages, where the kernel offers them.
 
 The grouped row kernels (``kernels/avx512_bf16_grouped.cpp``) read a layer as one stream
-of values and one of masks per thread, asking for their lines ahead in software. In 4 KiB
-pages they read 19-23 GB/s of a 12288 x 4096 layer at 50 % at one token on a Zen 5 EPYC
-(2 threads, weights from memory), where vLLM's dense GEMM read 18-24; with the same tensors
-in 2 MiB pages, 31-40 GB/s at one token and 27-31 at four (docs/serving.md, "Four tokens,
-and huge pages"). Dense did not gain so: ``F.linear`` on weights in 2 MiB pages read 5-11 %
-faster, and vLLM's GEMM reads the copy oneDNN packs for it. Nor did the op's other layouts
-(2:4, an unstructured layer's rows spread) or its GEMM, within the noise.
+of values and one of masks per thread, asking for their lines ahead in software. Those
+streams read markedly faster from 2 MiB pages, where dense, the op's other layouts and its
+GEMM did not gain beyond the noise (benchmarks/results/JOURNAL.md).
 
 ``in_huge_pages`` copies a tensor into an anonymous mapping aligned to 2 MiB whose whole
 huge pages are advised ``MADV_HUGEPAGE`` before they are touched, so that the first touch

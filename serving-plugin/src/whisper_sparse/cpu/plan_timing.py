@@ -25,7 +25,7 @@ LEAST_ROUNDS = 5  # rounds per measured point: a slow spell then moves its media
 def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
     """The paths worth timing here: the rows and the tiles; the GEMM where it runs (and for a
     2:4 layer the lanes); the micro-kernel's tiles where they run on AMX tiles (its
-    AVX512_BF16 kernel lost to the GEMM on every 7B shape: docs/serving.md)."""
+    AVX512_BF16 kernel lost to the GEMM on every 7B shape: benchmarks/results/JOURNAL.md)."""
     gemm = gemm_runs(dtype, dtype)
     extra = {
         "gemm": gemm,

@@ -14,7 +14,7 @@ where the CPU has it, must win by ``TILES_MARGIN``), and says whether the op bea
 one token (``faster_at_decode``: where it lost, the ``auto`` kernel mode serves the layer
 dense, decompressed). The paths of a point and dense are timed in turn, round after round,
 and two of them compare by the median of their rounds' ratios: a slow spell on a shared
-machine then slows both sides of a ratio (benchmarks/results/JOURNAL.md, 2026-12-01).
+machine then slows both sides of a ratio (benchmarks/results/JOURNAL.md, 2026-11-29).
 
 A cache file that cannot be read (corrupt, truncated, another layout) is measured anew,
 with one line of reason in the log.
@@ -53,7 +53,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # up to 512: a large x leaves the cache, and the tiles overtake the row kernels there
-# (a ladder that stopped at 256 kept the rows at 512 where the tiles took 0.40x their time)
 TOKEN_LADDER = (1, 4, 16, 32, 64, 256, 512)
 TILES_MARGIN = 0.95  # the tiles take a token count only at or below this of the best time
 PLAN_VERSION = 9  # a new version measures every plan anew

@@ -6,13 +6,9 @@ multiple of 4 KiB (a 50 % bfloat16 row of 4096 inputs keeps 2048 values, 4 KiB),
 sixteen rows' current lines fall into the same few sets of the core's L1 cache, and stay
 there as the rows advance (the likely cost; this machine has no counters to show it).
 Leaving a few unused values after each row moves each row's lines ``SPREAD_BYTES`` on from
-the last one's. Measured on a Zen 5 EPYC (AVX512_BF16, 2 threads, one token, 50 %; the op
-over this module's spread copy and over the format's rows in ABBA order in one process, 3
-weight copies, medians of 12 rounds): in fast memory phases 12288 × 4096 read 48.6 / 48.4
-GB/s of kept values unspread and 55.0 / 51.9 spread (2:4 on the same shape 62.2 / 60.3),
-22016 × 4096 49.8 against 54.6 (2:4 61.7): 1.07–1.13× as fast; in slow phases 0.98–1.00×
-(about 37 GB/s either way), and 0.90× in one run between phases (22016 × 4096, 2:4 at 43
-GB/s). 4096 × 11008, whose rows are not near a multiple of 4 KiB, is not spread. The
+the last one's. Spread rows read faster in the machine's fast memory phases and alike in
+its slow ones (benchmarks/results/JOURNAL.md). 4096 × 11008, whose rows are not near a
+multiple of 4 KiB, is not spread. The
 kernels read each row from its ``row_offsets`` entry by its popcounts, so what lies between
 rows is never read as a value.
 
@@ -39,11 +35,8 @@ PAGE_BYTES = 4096
 
 SPREAD_BYTES = 128
 """How far each row's start moves past the last one's, modulo ``PAGE_BYTES``, once spread;
-also how near a multiple of ``PAGE_BYTES`` a row's mean size must be to be spread. In a
-throwaway harness (fast phases, the op over hand-spread copies), 64 bytes gained less on
-22016 × 4096 (51.7 / 50.8 GB/s against 47.6 / 47.1 unspread, 58.0 / 55.8 with 128), and
-256 bytes a little more than 128 on 12288 × 4096 (54.0 / 50.7 against 52.8 / 47.7) at
-twice the memory."""
+also how near a multiple of ``PAGE_BYTES`` a row's mean size must be to be spread. 64
+bytes gained less and 256 little more, at twice the memory (benchmarks/results/JOURNAL.md)."""
 
 
 def row_gap(values: int, rows: int, itemsize: int) -> int:

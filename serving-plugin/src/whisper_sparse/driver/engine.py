@@ -117,8 +117,8 @@ def serve_command(
         command += ["--served-model-name", *served_model_names(checkpoint, served_model_name)]
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
-    if on_cpu():  # eager: compiled (vLLM's default) decoded 1-6 % faster but started 25-40 s
-        command.append("--enforce-eager")  # later (docs/serving.md); `-- --no-enforce-eager`
+    if on_cpu():  # eager: compiled gains little at decode and starts far later (JOURNAL.md)
+        command.append("--enforce-eager")  # `-- --no-enforce-eager` runs vLLM's default
     return command + list(extra_args)
 
 

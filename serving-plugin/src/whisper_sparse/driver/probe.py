@@ -248,7 +248,7 @@ def _refuse_emulated_fp8(checkpoint: str | Path, config: dict, python: Path) -> 
             f"{checkpoint}: vLLM runs this checkpoint's FP8 layers on this CPU only "
             f"through its emulated path ({kernel.split()[0]}, torch._scaled_mm on the "
             "CPU: 10 decoded tokens/s on SmolLM2-135M where dequantized weights gave "
-            "190, docs/serving.md); save the chain in the compressed 2:4 layout "
+            "190, benchmarks/results/serving.md); save the chain in the compressed 2:4 layout "
             "(whisper-prune's default), whose vLLM plugin serves the FP8 weights "
             "dequantized to the model's dtype, or prune with a W8A8 chain"
         )

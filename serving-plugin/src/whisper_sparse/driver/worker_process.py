@@ -161,7 +161,7 @@ _residents: dict[Path, ResidentWorker] | None = None
 
 class ResidentWorker:
     """One long-lived ``vllm_worker.py --resident`` process of a serving Python, which
-    imports vLLM once (14 s of a 25 s run of a small model on a 2-core CPU) and runs
+    imports vLLM once (over half of a small model's run) and runs
     requests one after another, releasing vLLM's state between them. A request fails as it
     would in a process of its own: the exit status, the signal that killed the process (a
     new one starts for the next request), or the time limit (the process is killed), with

@@ -4,9 +4,9 @@ A Linear layer computes ``y = x Wᵀ (+ b)`` for tokens ``x`` (T, in). Here ``W`
 2:4 along the inputs, is cuSPARSELt's sparse operand ``A`` (``torch._cslt_compress``), and
 the dense operand is ``B = xᵀ`` taken as a *view* of ``x`` (column-major, no copy). With
 ``transpose_result=True`` cuSPARSELt writes ``(A B)ᵀ = x Wᵀ`` as a row-major (T, out)
-tensor: the call needs no transpose of ``x`` or of ``y`` (measured on an H100 with torch
-2.11 / cuSPARSELt: as fast as the plain (out, T) result, and ~2× faster than a drop-in
-that transposes the result back). Token counts are padded to a multiple of 8, the dense
+tensor: the call needs no transpose of ``x`` or of ``y`` (as fast as the plain (out, T)
+result on an H100, and faster than transposing it back: benchmarks/results/JOURNAL.md).
+Token counts are padded to a multiple of 8, the dense
 operand's granularity, and the padding rows are cut off the result (a contiguous row
 slice).
 

@@ -200,9 +200,7 @@ WS_TARGET void rows_block(const RowsArgs& a, const float* x, int64_t m, int64_t 
 
 // The same for a tile of T tokens of more than four, over rows held in cache since the first
 // tile: eight inputs a step, each eight of x loaded once for every row (fewer loads than the
-// 32-input step, which gains where the rows come from memory: on the Zen 5 EPYC capped at
-// AVX2, 12288 x 4096, sixteen tokens took 9.9-10.2 ms here against 11.2-12.3 there, and four
-// tokens 3.3-3.4 against 2.9-3.1).
+// 32-input step, which gains only where the rows come from memory; measured: JOURNAL.md).
 template <int R, int T, WeightType W>
 WS_TARGET void rows_block_cached(const RowsArgs& a, const float* x, int64_t m, int64_t n) {
   const int64_t half_k = a.K / 2, mask_bytes = (a.K + 7) / 8, ldx = a.ldx;
@@ -311,11 +309,9 @@ WS_TARGET void decompress_typed(const DecompressArgs& a) {
 
 template <WeightType W>
 void rows_for_tokens(const RowsArgs& args) {
-  // rows side by side, measured on the Zen 5 EPYC with the kernels capped at AVX2 (12288 x
-  // 4096): one token, one row at a time in memory order (four sums in flight), 1.53-1.64 ms
-  // against six rows' 1.69-1.70; two tokens, four rows (2.00-2.03 ms; one or two rows
-  // 2.31-2.39); more tokens, two rows (four tokens 2.79-2.80 ms; one row 3.33-3.50). Six rows
-  // had been the fastest for one token on an AVX2 EPYC, with the eight-input step before.
+  // rows side by side, each the fastest measured for its token count (JOURNAL.md): one token,
+  // one row at a time in memory order (four sums in flight); two tokens, four rows; more
+  // tokens, two rows.
   if (args.M == 1) {
     rows_typed<1, W>(args);
   } else if (args.M == 2) {

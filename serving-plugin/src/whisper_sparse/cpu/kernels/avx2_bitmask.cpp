@@ -83,10 +83,8 @@ WS_TARGET inline float horizontal_sum(__m256 v) {
 
 // y[m + t][n] for row n and T tokens from m (x: token m's row), 32 inputs a step: the row's
 // four bitmask bytes are read at once, and the popcounts of those before each byte say where
-// its values start. One row at a time, in memory order, for every token count: on the Zen 5
-// EPYC with the kernels capped at AVX2, one token took 2.06-2.11 ms on a 12288 x 4096 layer at
-// 50 % against 2.66-2.78 with four rows side by side, two tokens 2.50-2.55 against 3.15-3.25
-// with two.
+// its values start. One row at a time, in memory order, for every token count: faster than
+// rows side by side at one and two tokens (JOURNAL.md).
 template <int T, WeightType W, bool kChecked>
 WS_TARGET void row_block(const RowsArgs& a, const float* x, int64_t m, int64_t n) {
   const int64_t steps = a.K & ~int64_t(31), ldx = a.ldx;

@@ -138,9 +138,8 @@ WS_TARGET void rows_typed(const RowsArgs& a) {
 
 // The expansion's software prefetch: one row at a time, so further ahead than the row kernels'
 // kPrefetchAhead (an unstructured row's loads advance by each mask's popcount, a stride the
-// CPU's own prefetcher misses). On the Zen 5 EPYC the brgemm tiles of 4096 x 11008 at 16
-// tokens took 3.4-3.5 ms with 2048 or 4096 bytes (3.6 with 1536, 3.7 with 1024), 6.8-6.9 ms
-// without, at 50 %; 3.4 against 3.8-3.9 at 2:4.
+// CPU's own prefetcher misses). The distance is the shortest of the fastest measured
+// (JOURNAL.md).
 constexpr int64_t kExpandPrefetchAhead = 2048;
 
 WS_TARGET inline void prefetch_values(const void* values) {
@@ -149,8 +148,7 @@ WS_TARGET inline void prefetch_values(const void* values) {
 
 // A 2:4 row's whole groups of 32 (bfloat16) or 16 (float32) inputs: each holds exactly half
 // its inputs' values, so each group is one plain load of half a register, expanded, and one
-// plain store (on the Zen 5 EPYC the brgemm tiles of 4096 x 11008 at 16 tokens took 3.8 ms
-// with it, 5.7 with the general loop below); the inputs done.
+// plain store, faster than the general loop below (JOURNAL.md); the inputs done.
 template <WeightType W>
 WS_TARGET int64_t decompress_two_four(const void* compressed, const uint8_t* mask, int64_t K,
                                       void* out_row) {

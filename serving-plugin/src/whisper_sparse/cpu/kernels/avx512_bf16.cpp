@@ -4,9 +4,9 @@
 // unstructured one, whose pointer then advances by that count); vdpbf16ps then adds the 32
 // products into sixteen float32 lanes.
 // The kept values are loaded plainly and expanded in registers (expand32 keeps the compiler from
-// folding the load into vpexpandw): vpexpandw from memory was 1.35x slower at one token on a
-// Zen 5 EPYC (27 against 37 GB/s of compressed weights). GCC's SLP vectorizer is off here: it
-// packed the row pointers into vector registers and spilled the accumulators in the row loop.
+// folding the load into vpexpandw): vpexpandw from memory was slower (JOURNAL.md). GCC's SLP
+// vectorizer is off here: it packed the row pointers into vector registers and spilled the
+// accumulators in the row loop.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -42,9 +42,8 @@ constexpr int64_t kAskEveryStepAbove = 26;
 
 // y[m + t][n + r] for R rows from n and T tokens from m (x: token m's row): each row's kept
 // values and bitmask are walked by a pointer of its own. Per 32 inputs, the R rows' kept values
-// are expanded first and multiplied after: on a Zen 5 EPYC (one core, L2-resident weights),
-// vpexpandw interleaved with the vdpbf16ps that read it took 4 cycles per row and 32 inputs,
-// grouped 1.4 (23 against 65 GB/s of compressed weights).
+// are expanded first and multiplied after: a vpexpandw next to the vdpbf16ps that reads it
+// waits on it (JOURNAL.md).
 // (U: an unstructured row, whose values start at row_offsets[n + r]; the next group's rows are
 // prefetched at the same distance into them. Bounded: a row's next 32 values may run past the
 // layer's last, so each load checks.)
@@ -70,7 +69,7 @@ WS_TARGET void rows_block(const RowsArgs& a, const uint16_t* x, int64_t m, int64
   // unstructured row's moves by its popcounts; where its rows keep more than about 40 % of
   // their inputs it moves past 64 bytes between two such asks often enough to leave lines
   // unasked for, so there it asks every 32 inputs (at most 64 bytes on: no line skipped).
-  // (Asks at a steady pace rather than from the pointer: tried, docs/serving.md, not kept.)
+  // (Asks at a steady pace rather than from the pointer: tried, not kept; JOURNAL.md.)
   const bool every_step =
       U &&
       (R == 1 ||
@@ -148,11 +147,8 @@ WS_TARGET void rows_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t n) 
 // of rows are expanded once (the group's rows side by side, so their popcount-advanced pointers
 // are independent chains), into a dense buffer that stays in L1, and every tile of up to six
 // tokens is multiplied with it there (each tile's float32 sums kept in `partial` across chunks).
-// Expanding per tile, as rows_all_tokens does, walks each row's pointer once per tile.
-// Measured on a Zen 5 EPYC (1024 x 4096 bfloat16, 50 %, 2 threads, weights from memory):
-// expanding once took 183 / 208 / 248 / 331 us at 9 / 12 / 16 / 24 tokens, per tile 181 / 209 /
-// 273 / 403 (at 65 %, per tile was faster up to 12); and with chunks of 512 inputs and tiles of
-// four tokens (one core, L2-resident weights), 150 / 473 us at 16 / 64 tokens, now 115 / 354.
+// Expanding per tile, as rows_all_tokens does, walks each row's pointer once per tile, which
+// costs more from about a dozen tokens (JOURNAL.md).
 constexpr int64_t kChunk = 2048;
 constexpr int64_t kExpandOnceAbove = 12;
 constexpr int kTileTokens = 6;  // 4 rows x 6 tokens: 24 accumulators
@@ -271,9 +267,8 @@ WS_TARGET void rows_for_tokens(const RowsArgs& a) {
 }  // namespace
 
 // Rows side by side by the number of tokens: 8 rows for one token, 6 for two, else groups of 4
-// with tiles of up to four tokens. Measured on a Zen 5 EPYC at one token (the vLLM 1B shapes):
-// 4 rows side by side read 43-45 GB/s of compressed weights, 8 rows 62-86 GB/s; at two tokens
-// 4 rows 42 GB/s, 6 rows 64-73 GB/s.
+// with tiles of up to four tokens: more rows in flight hide more of memory's latency
+// (JOURNAL.md).
 void rows_avx512_bf16(const RowsArgs& args) {
   if (args.row_offsets != nullptr) {
     rows_for_tokens<true>(args);

@@ -28,11 +28,10 @@
 //       of inputs, in `partial`); after the last pass of inputs, each token's sums, plus the
 //       bias, rounded once to bfloat16 into y.
 //
-// Measured on a 2-core Zen 5 EPYC (12288 x 4096 at 50 %, 2 threads), against the kernel this
-// replaced (16 rows transposed into registers of rows, the tokens' inputs broadcast): 3.0
-// against 4.1 ms at 16 tokens, 7.5 against 9.3 at 64, 54.6 against 59.5 at 512. The choices
-// (the padded row stride, the sweep, the blockings, the cap on packed x) are measured in
-// docs/serving.md, "The CPU op".
+// The tokens in the lanes beat the kernel this replaced (16 rows transposed into registers
+// of rows, the tokens' inputs broadcast) at every token count; that, and the choices (the
+// padded row stride, the sweep, the blockings, the cap on packed x), are measured in
+// benchmarks/results/JOURNAL.md.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>

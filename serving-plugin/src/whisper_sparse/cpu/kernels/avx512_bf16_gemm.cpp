@@ -17,14 +17,9 @@
 //     over the block's groups, its sums kept per token and row across blocks of groups;
 //   then each token's sums, plus the bias, rounded once to bfloat16 into y.
 //
-// Measured on a 2-core Zen 5 EPYC: with its operands in L1 the permute micro-kernel did 360
-// GFLOP/s of kept products per core, 720 in a dense GEMM's count, where a dense vdpbf16ps
-// kernel of the same blocking did 522 and oneDNN's dense GEMM reaches about 470. Whole, on
-// the vLLM 1B shapes against vLLM's own dense GEMM (oneDNN on a weight packed once):
-// 0.98-1.05x at 32 tokens, 1.03-1.12x at 64, 1.21-1.28x at 512, 1.15-1.25x at 2048. The
-// layout costs what the micro-kernel does not at few tokens: below about 32 the row kernels
-// win (the plan measures it). Laying a block out once per 512 tokens rather than 256 took
-// 64-token calls from 0.70-0.85x to the figures above (the layout had been a third).
+// The layout costs what the micro-kernel does not at few tokens: below about 32 the row
+// kernels win (the plan measures it). A block is laid out once per 512 tokens, so that the
+// layout stays a small share of a call (measured: benchmarks/results/JOURNAL.md).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>

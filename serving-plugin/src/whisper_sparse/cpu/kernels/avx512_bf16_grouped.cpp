@@ -27,9 +27,8 @@
 namespace whisper_sparse {
 namespace {
 
-// How far ahead of the pointer the stream's lines are asked for, and the masks' (in steps).
-// The throwaway probe this comes from (docs/serving.md) read 65-67 GB/s with 4 KiB, in a
-// phase where dense read 74; other distances were no faster.
+// How far ahead of the pointer the stream's lines are asked for, and the masks' (in steps):
+// the probe this comes from was fastest at 4 KiB (JOURNAL.md).
 constexpr int64_t kStreamAhead = 4096;
 constexpr int64_t kMasksAhead = 32;
 
@@ -39,8 +38,7 @@ constexpr int64_t kMasksAhead = 32;
 // kGroupsAhead groups on, evenly over its steps, so that memory streams at one pace through
 // every pass (the first pass then finds its group in L2). Asking instead for the whole next
 // group in the second pass only (memory idle through much of the first, which streamed its
-// own group kStreamAhead bytes on) ran four tokens 4-13 % slower on 12288 x 4096 at 50 % (a
-// Zen 5 EPYC, alternated processes); one group on was 3-5 % slower than two, three as two.
+// own group kStreamAhead bytes on) was slower, and two groups on the fastest (JOURNAL.md).
 enum class Ahead { kStream, kShare };
 constexpr int64_t kGroupsAhead = 2;
 
@@ -135,9 +133,8 @@ WS_TARGET void group_pass(const RowsArgs& a, const uint16_t* x, int64_t m, int64
 
 // Every token of group g. Tiles of four tokens take the group in two passes of half its rows
 // (16 accumulators, 4 expanded rows, 4 tokens' inputs: all in registers; the whole group at
-// once is 32 accumulators beside 8 expanded rows, which spilled, and ran 4 tokens 1.5x slower
-// than the rows layout's 4-row groups in an 8-layer 7B pass on a Zen 5 EPYC); the last two
-// tokens or one take the whole group in one pass.
+// once is 32 accumulators beside 8 expanded rows, which spill); the last two tokens or one
+// take the whole group in one pass.
 WS_TARGET void group_all_tokens(const RowsArgs& a, const uint16_t* x, int64_t g) {
   constexpr int kHalf = kGroupRows / 2;
   const int passes = int(2 * (a.M / 4) + (a.M % 4) / 2 + a.M % 2);

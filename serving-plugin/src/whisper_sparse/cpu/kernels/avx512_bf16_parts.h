@@ -19,15 +19,11 @@ constexpr int64_t kLanes = 16;  // rows per register
 // for a whole group of 32 inputs of a 2:4 row, loaded without a mask). An unstructured row's
 // values are loaded 32 at a time without a mask where 32 values from `values` lie inside the
 // layer's (before `end`; Bounded = false: the caller knows they do): vpexpandw takes only the
-// first `count`, and a plain load spares the mask's making (at 16 tokens, where each row is
-// walked once per tile of 4 tokens, the masked load made the unstructured rows 2x slower than
-// 2:4's). Near the end, a masked load reads exactly `count` (never a value past the layer's).
-// The expansion merges into a register of zeros rather than zeroing its destination: on a
-// Zen 5 EPYC a zeroing vpexpandw waited for its destination register's last writer, and GCC
-// gives every expansion of a loop the same destination, so a chunk's expansions into a
-// buffer ran one after another (5.0 against 3.4 cycles per 32 inputs; the unstructured GEMM
-// 12 % faster at 16 tokens, 5 % at 64; the row kernels, which expand a row into a register
-// of its own, unchanged).
+// first `count`, and a plain load spares the mask's making, which is slow where each row is
+// walked once per tile. Near the end, a masked load reads exactly `count` (never a value past
+// the layer's). The expansion merges into a register of zeros rather than zeroing its
+// destination: a zeroing vpexpandw waits for its destination register's last writer, and GCC
+// gives every expansion of a loop the same destination, which chained them (JOURNAL.md).
 template <bool Whole, bool Bounded = true>
 WS_TARGET inline __m512i expand32(uint32_t mask, const uint16_t* values, int64_t count = 16,
                                   const uint16_t* end = nullptr) {

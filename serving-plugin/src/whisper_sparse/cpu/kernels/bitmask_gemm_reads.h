@@ -18,8 +18,8 @@ namespace {
 
 constexpr int kSweepUnits = 48;  // rows (or groups) of a block a sweep covers, at most
 
-// Rows expanded side by side, their popcount-advanced pointers independent chains: 4 took
-// 3.0 cycles per 32 inputs on a Zen 5 EPYC, 8 took 3.4 (their pointers spilled), 1 took 3.6.
+// Rows expanded side by side, their popcount-advanced pointers independent chains: 4, the
+// fastest measured (8 spill their pointers; JOURNAL.md).
 constexpr int64_t kExpandSide = 4;
 
 // The next block's bytes as runs of lines (each row's or group's kept values, then their
@@ -138,8 +138,7 @@ WS_TARGET void expand_chunk(const GemmArgs& a, const uint16_t** next, int64_t n,
 // advanced; masks[i]: its masks at the chunk's first step), expanded into `expanded` (the
 // groups' row r at r * stride), each group's rows in turn. Side is a constant and the
 // pointers are locals, so that they stay in registers: walked through next[] (which the
-// stores may alias), each advance was an add to memory that the next load waited on, and
-// the GEMM at 16 tokens took 5-9 % longer (Zen 5 EPYC, 50 %, alternated processes).
+// stores may alias), each advance was an add to memory that the next load waited on.
 template <int Side>
 WS_TARGET inline void expand_groups(const uint32_t* const* masks, const uint16_t** next,
                                     int64_t steps, uint16_t* expanded, int64_t stride) {

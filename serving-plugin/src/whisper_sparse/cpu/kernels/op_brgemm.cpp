@@ -21,11 +21,8 @@ namespace {
 
 constexpr int64_t kTokensPerBlock = 64;  // B's width; oneDNN packs 16, 32, 48 or 64 columns
 // Inputs per micro-kernel call, the float32 sums carried over the calls (each call loads and
-// stores them: on AMX, C's tiles). On the Zen 5 EPYC's AVX512_BF16 micro-kernel, with A's rows
-// padded apart, 1024 against 256 was 1.00-1.10x as fast (median 1.04x) on five 7B/8B shapes at
-// 16, 64 and 512 tokens (4096 x 11008 at 512: 56.9 -> 52.8 ms), 2048 up to 17 % slower at 16
-// tokens on the widest; unpadded, the whole of K in one call had been twice as slow as 256
-// (4096 x 11008 at 16 tokens: 12.1 against 5.7 ms).
+// stores them: on AMX, C's tiles). 1024, with A's rows padded apart, was the fastest measured
+// on the AVX512_BF16 micro-kernel (JOURNAL.md); not yet measured on AMX.
 constexpr int64_t kInputsPerProduct = 1024;
 
 // Rows of W per block: 32, or 16 where 32 expanded rows (at their padded stride) would pass

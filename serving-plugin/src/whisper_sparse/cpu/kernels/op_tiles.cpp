@@ -44,10 +44,7 @@ namespace {
 
 // Rows of W per tile of the prefill path: about 1 MiB of dense weight, a multiple of 16, and
 // at least kMinTileRows. Each tile is one GEMM call, which packs all of x again, so a tile of
-// few rows on a wide layer is dominated by that: on the Zen 5 EPYC capped at AVX-512 without
-// BF16 (float32 tiles), 512 tokens through 4096 x 14336 took 409 ms in tiles of 32 rows (1 MiB
-// of bfloat16) against 328 in tiles of 128 (ATen's float32 GEMM alone; dense, emulated
-// bfloat16, 371); in bfloat16 on AVX512_BF16, 86.8 against 80.8 ms (dense 70.9).
+// few rows on a wide layer is dominated by that (JOURNAL.md).
 constexpr int64_t kMinTileRows = 128;
 
 int64_t tile_rows(int64_t in_features, int64_t element_size, int64_t rows) {
@@ -57,8 +54,8 @@ int64_t tile_rows(int64_t in_features, int64_t element_size, int64_t rows) {
 
 // The dtype of the tiles' GEMM: bfloat16 weights are multiplied in bfloat16 only where the
 // kernels are avx512_bf16 (a CPU with a bfloat16 dot product, where oneDNN's bfloat16 GEMM
-// is fast); elsewhere oneDNN emulates it (7x slower than float32 on an AVX2 EPYC), so the
-// tiles are widened to float32, exactly.
+// is fast); elsewhere oneDNN emulates it, far slower than float32, so the tiles are widened
+// to float32, exactly.
 at::ScalarType tile_dtype(at::ScalarType weight) {
   return weight == at::kBFloat16 && active_isa() == kAvx512Bf16 ? at::kBFloat16 : at::kFloat;
 }
@@ -90,9 +87,7 @@ void tiles_of_thread(const at::Tensor& x_w, const OpLayer& layer,
 
 // x2 W^T + bias in tile_dtype, W expanded tile by tile. The threads take whole tiles, each
 // expanding and multiplying its own (ATen's GEMM runs on one thread inside them), so no
-// tile crosses between cores' caches and no tile costs a fork and join: on the Zen 5 EPYC at
-// 16 tokens, 12288 x 4096 took 5.4 against 8.3 ms (bfloat16 tiles) and 14 against 39 (capped
-// at AVX2, float32), where each tile ran its expansion and its GEMM over all threads. The
+// tile crosses between cores' caches and no tile costs a fork and join (JOURNAL.md). The
 // threads run tensor ops, so each takes the caller's thread-local state (inference mode
 // above all: y is an inference tensor under vLLM).
 // With brgemm_tiles, in bfloat16, oneDNN's micro-kernel on smaller blocks where it runs

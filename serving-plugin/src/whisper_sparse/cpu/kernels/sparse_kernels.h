@@ -102,8 +102,7 @@ inline void store_sum(const RowsArgs& a, int64_t index, int64_t row, float sum) 
 // The stride, in bfloat16 elements, of a buffer of expanded rows of `inputs` values that a
 // micro-kernel reads side by side: an odd number of 64-byte lines (at least `inputs`), so that
 // the rows fall in different L1 sets. At a multiple of 4 KiB they all meet in one set, which
-// holds 12 lines on the Zen 5 EPYC: the unstructured GEMM's 24 rows at 8 KiB were 7x slower,
-// the brgemm tiles' blocks (K = 4096) at 16 tokens 1.4x (docs/serving.md).
+// holds fewer lines than the rows read side by side (JOURNAL.md).
 constexpr int64_t expanded_row_stride(int64_t inputs) {
   return (((inputs * 2 + 63) / 64) | 1) * 32;
 }
