@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import (
     CALIBRATION_TEXT,
@@ -21,6 +22,8 @@ from whisper_modifiers.cli import main
 from whisper_modifiers.quantization import chained_recipe, indivisible_layers
 from whisper_sparse import QUANT_METHOD
 from whisper_sparse.format.checkpoint import RECORD_FILE, check_checkpoint
+from whisper_sparse.format.declaration import BITMASK_FORMAT
+from whisper_sparse.format.layout import decompress_stored
 
 FAST = [
     "--model",
@@ -71,6 +74,43 @@ def test_chain_keeps_two_four_after_quantization(tmp_path, recipe, quant_format,
     assert record["layers"]["lm_head"]["pattern"] == "dense"
     report = json.loads((out / "whisper_prune_report.json").read_text())
     assert math.isfinite(report["pruned_perplexity"])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sparsity"),
+    [("whisper_50_w8a8", 0.5), ("whisper_65_w8a8", 0.65), ("wisp_plus_65_w8a8", 0.65)],
+)
+def test_unstructured_w8a8_stores_its_int8_values_in_the_bitmask_layout(tmp_path, recipe, sparsity):
+    """Every pruned layer's kept int8 values, a bit per input and the row offsets, the
+    scales as compressed-tensors writes them; decompressed, the dense layout's int8 weights
+    bit for bit (the same pruning and quantization), and both load to the same model."""
+    compressed, dense = tmp_path / "compressed", tmp_path / "dense"
+    for layout, out in (("compressed", compressed), ("dense", dense)):
+        argv = [*FAST, "--recipe", recipe, "--layout", layout, "--output-dir", str(out)]
+        assert main(argv) == 0
+    declared = check_checkpoint(compressed)["quantization_config"]
+    assert declared["quant_method"] == QUANT_METHOD
+    assert (declared["format"], declared["sparsity_structure"]) == (BITMASK_FORMAT, "unstructured")
+    assert declared["quantization_config"]["format"] == "int-quantized"
+    assert declared["targets"] == [] and len(declared["bitmask_targets"]) == 7 * 5
+    stored = load_file(compressed / "model.safetensors")
+    reference = load_file(dense / "model.safetensors")
+    for name in declared["bitmask_targets"]:
+        values = stored[f"{name}.compressed"]
+        assert values.dtype == torch.int8 and values.dim() == 1 and f"{name}.weight" not in stored
+        parts = (f"{name}.{part}" for part in ("bitmask", "row_offsets", "shape"))
+        weight = decompress_stored(values, *(stored[part] for part in parts), name)
+        assert torch.equal(weight, reference[f"{name}.weight"]), name
+        assert torch.equal(stored[f"{name}.weight_scale"], reference[f"{name}.weight_scale"])
+        assert (weight == 0).float().mean() >= sparsity - 0.01, name
+    assert (compressed / "model.safetensors").stat().st_size < (
+        dense / "model.safetensors"
+    ).stat().st_size
+    record = json.loads((compressed / RECORD_FILE).read_text())
+    assert record["summary"]["patterns"] == ["unstructured"]
+    ours, theirs = load_checkpoint(compressed).state_dict(), load_checkpoint(dense).state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
 
 
 def test_w4a16_that_would_quantize_nothing_is_refused(tmp_path, run_oneshot, capsys):

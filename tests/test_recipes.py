@@ -41,7 +41,8 @@ def test_every_method_has_every_sparsity():
         f"{m}_auto_2of4" for m in AUTO
     }
     chains = {path.stem for path in RECIPES.glob("*.yaml")} - names
-    assert chains == {f"{m}_2of4_{q}" for m in ("whisper", "wisp_plus") for q in CHAINS}
+    two_four = {f"{m}_2of4_{q}" for m in ("whisper", "wisp_plus") for q in CHAINS}
+    assert chains == two_four | {"whisper_50_w8a8", "whisper_65_w8a8", "wisp_plus_65_w8a8"}
 
 
 def test_recipes_share_settings_with_their_baseline():
@@ -60,6 +61,19 @@ def test_recipes_share_settings_with_their_baseline():
         assert settings(f"alps_whisper_{tag}") == settings(f"alps_{tag}")
     for method in AUTO:
         assert settings(f"{method}_auto_2of4") == settings(f"{method}_2of4")
+
+
+def test_unstructured_w8a8_chains_prune_as_their_unquantized_recipe():
+    """``whisper_50_w8a8`` and the others: the pruning stage of their unquantized recipe,
+    field for field, then llmcompressor's W8A8 over the same layers."""
+    for stem in ("whisper_50", "whisper_65", "wisp_plus_65"):
+        chain = yaml.safe_load((RECIPES / f"{stem}_w8a8.yaml").read_text())["sparsity_stage"]
+        plain = yaml.safe_load((RECIPES / f"{stem}.yaml").read_text())["sparsity_stage"]
+        assert chain["sparsity_modifiers"] == plain["sparsity_modifiers"]
+        quantization = chain["quantization_modifiers"]["QuantizationModifier"]
+        assert quantization["scheme"] == "W8A8"
+        (pruning,) = plain["sparsity_modifiers"].values()
+        assert quantization["ignore"] == pruning["ignore"]
 
 
 def test_yaml_names_resolve_to_our_modifiers():
