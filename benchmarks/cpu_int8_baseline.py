@@ -19,18 +19,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, balanced_orders, ratio_spread, run_stamp, write_json  # noqa: E402
+from common import RESULTS, alternated_rounds, ratio_spread, run_stamp, write_json  # noqa: E402
 from cpu_layers import SHAPES, cpu_line, vllm_dense_linear  # noqa: E402
+
+SGL_PATH = "int8_scaled_mm_with_quant (AMX)"
+ONEDNN_PATH = "onednn_scaled_int8_quant + onednn_scaled_mm"
 
 
 def vllm_w8a8_linear():
     """``(weight_int8 [out, in], scales [out, 1]) -> (x -> y)`` as vLLM's CPU W8A8 layers run
-    it, or None without vLLM's CPU int8 ops."""
+    it (the function's ``path`` names vLLM's kernel for that shape), or None without vLLM's
+    CPU int8 ops."""
     try:
         import torch
         import vllm._custom_ops as ops
@@ -42,9 +46,14 @@ def vllm_w8a8_linear():
         rows, columns = weight.shape
         if check_cpu_sgl_kernel(rows, columns, weight.dtype):
             packed = torch.ops._C.convert_weight_packed(weight)
-            return lambda x, scales=scales: torch.ops._C.int8_scaled_mm_with_quant(
-                x, packed, scales, None, x.dtype, True
-            )
+
+            def run_sgl(x):
+                return torch.ops._C.int8_scaled_mm_with_quant(
+                    x, packed, scales, None, x.dtype, True
+                )
+
+            run_sgl.path = SGL_PATH
+            return run_sgl
         handle = ops.create_onednn_scaled_mm(weight.t(), scales, torch.bfloat16, True, False, 32)
         handle.kept = (
             weight,
@@ -56,17 +65,16 @@ def vllm_w8a8_linear():
             out = torch.empty((x.shape[0], rows), dtype=x.dtype)
             return ops.onednn_scaled_mm(handle, x_q, out, x_s, x_zp, None, None)
 
+        run.path = ONEDNN_PATH
         return run
 
     return make
 
 
-def timed_pass(calls) -> float:
-    """Seconds per call over one pass through ``calls`` (one per weight copy)."""
-    start = time.perf_counter()
+def run_all(calls) -> None:
+    """One pass through ``calls`` (one per weight copy)."""
     for call in calls:
         call()
-    return (time.perf_counter() - start) / len(calls)
 
 
 def measure(rows: int, columns: int, tokens: list[int], args, bf16_for, w8a8_for) -> list[dict]:
@@ -88,16 +96,16 @@ def measure(rows: int, columns: int, tokens: list[int], args, bf16_for, w8a8_for
                 "bf16": [lambda f=f, x=x: f(x) for f in bf16],
                 "w8a8": [lambda f=f, x=x: f(x) for f in w8a8],
             }
-            for calls in sides.values():  # warm: oneDNN makes its primitives on first use
-                timed_pass(calls)
+            passes = {label: partial(run_all, calls) for label, calls in sides.items()}
+            for run in passes.values():  # warm: oneDNN makes its primitives on first use
+                run()
             # the same weights (W8A8's dequantized): only the activations' rounding differs
             reference = bf16[0](x).float()
             error = (w8a8[0](x).float() - reference).norm() / reference.norm()
-            seconds = {label: [] for label in sides}
-            orders = balanced_orders(list(sides))
-            for round_ in range(args.rounds):
-                for label in orders[round_ % len(orders)]:
-                    seconds[label].append(timed_pass(sides[label]))
+            seconds = {  # per call: each pass runs every copy once
+                label: [t / copies for t in rounds]
+                for label, rounds in alternated_rounds(passes, args.rounds).items()
+            }
             ratios = [b / w for b, w in zip(seconds["bf16"], seconds["w8a8"], strict=True)]
             row = {
                 "tokens": count,
@@ -105,6 +113,7 @@ def measure(rows: int, columns: int, tokens: list[int], args, bf16_for, w8a8_for
                 "seconds": {label: statistics.median(s) for label, s in seconds.items()},
                 "rounds": seconds,
                 "relative_error": float(error),
+                "w8a8_path": w8a8[0].path,
             } | ratio_spread(ratios)
             print(
                 f"  {rows}x{columns} tokens {count}: bf16 {row['seconds']['bf16'] * 1e3:.3f} ms,"
@@ -113,6 +122,11 @@ def measure(rows: int, columns: int, tokens: list[int], args, bf16_for, w8a8_for
             )
             results.append(row)
     return results
+
+
+def all_entries(payload: dict) -> list[dict]:
+    """Every measured projection's entry of ``payload``."""
+    return [entry for projections in payload["shapes"].values() for entry in projections.values()]
 
 
 def markdown(payload: dict) -> str:
@@ -156,17 +170,11 @@ def main(argv=None) -> int:
     if bf16_for is None or w8a8_for is None:
         print("vLLM's CPU ops are not importable: run with the serving environment's Python")
         return 2
-    import torch
-    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
-
-    sgl = check_cpu_sgl_kernel(4096, 4096, torch.int8)
     payload = {
         "config": vars(args) | {"out": str(args.out)},
         "cpu": cpu_line(),
         **run_stamp(),
-        "w8a8_path": "int8_scaled_mm_with_quant (AMX)"
-        if sgl
-        else "onednn_scaled_int8_quant + onednn_scaled_mm",
+        "w8a8_path": "",
         "shapes": {},
     }
     for model in args.shapes:
@@ -178,6 +186,8 @@ def main(argv=None) -> int:
                 "shape": [rows, columns],
                 "rows": rows_measured,
             }
+            paths = {row["w8a8_path"] for entry in all_entries(payload) for row in entry["rows"]}
+            payload["w8a8_path"] = ", ".join(sorted(paths))
             write_json(args.out / f"{args.name}.json", payload)
     (args.out / f"{args.name}.md").write_text(markdown(payload))
     print(markdown(payload))

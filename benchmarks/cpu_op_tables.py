@@ -25,10 +25,11 @@ def markdown(payload: dict) -> str:
         "",
         "Ratio: dense time / op time (above 1: the op is faster); the op as served "
         "(its measured plan picks row kernels, GEMM or tiles; lanes: a 2:4 layer "
-        "in the unstructured GEMM, the tokens in the lanes; brgemm: the tiles through "
-        "oneDNN's micro-kernel, AMX tiles where the CPU has them). Each time is the "
-        "median of rounds that run every side in turn. GiB/s: weight bytes read per "
-        "second (compressed for the op); -: not measured (rows above "
+        "in the unstructured GEMM, the tokens in the lanes; brgemm: blocks expanded "
+        "once through a micro-kernel, the op's AMX tiles where the CPU has AMX, else "
+        "oneDNN's). Each time is the median of rounds that run every side in turn. "
+        "GiB/s: weight bytes read per second (compressed for the op); -: not measured "
+        "(rows above "
         f"{payload['rows_up_to']} tokens; a path where it does not run)."
         + (
             " vLLM dense: vLLM's own CPU GEMM (`onednn_mm` on a weight oneDNN packed "

@@ -20,6 +20,7 @@ A kind measured only at the op level is named below the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -44,6 +45,7 @@ WORKLOADS = (
 SIZE_RECIPES = {"2:4": "whisper_2of4", "0.5": "whisper_50", "0.65": "whisper_65"}
 
 
+@functools.cache
 def journal_entries() -> dict[str, tuple[int, str]]:
     """Each result file's place in the journal (0: named by its newest entry) and that
     entry's date."""

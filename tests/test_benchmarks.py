@@ -385,8 +385,9 @@ def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypat
 
 
 def test_cpu_op_benchmark_times_the_micro_kernels_tiles_where_they_run(tmp_path, monkeypatch):
-    """In bfloat16, the table has the tiles through oneDNN's micro-kernel ("brgemm") wherever
-    they run (AMX tiles or AVX512_BF16), so an AMX session measures them beside ATen's."""
+    """In bfloat16, the table has the tiles through a micro-kernel ("brgemm") wherever one
+    runs (the op's AMX tiles, or oneDNN's AVX512_BF16), so an AMX session measures them
+    beside ATen's."""
     import cpu_sparse_op
 
     from whisper_sparse.cpu.op import (

@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from whisper_sparse.cpu.op import (
     cpu_kernels_unavailable,
     decompress_cpu,
     gemm_runs,
+    grouped_cpu_linear,
     reference_linear,
     set_cpu_isa,
     supported_isas,
@@ -99,13 +101,14 @@ def test_the_isas_follow_the_cpu_flags():
 
 
 def test_the_tiles_micro_kernel_runs_where_onednn_runs_bfloat16():
-    """oneDNN's micro-kernel (cpublas::brgemm) answers on every AVX-512 BF16 CPU that torch's
-    oneDNN drives (so the exactness tests' "brgemm" path is the micro-kernel's there, not
-    ATen's tiles); "amx" only where the CPU has AMX."""
+    """A micro-kernel runs the brgemm tiles on every AVX-512 BF16 CPU that torch's oneDNN
+    drives (so the exactness tests' "brgemm" path is a micro-kernel's there, not ATen's
+    tiles): "amx" (the op's AMX tiles) exactly where the CPU has AMX-BF16 and AMX-TILE."""
     kernel = brgemm_kernel()
     assert kernel in ("amx", "avx512", "none")
     if cpu_isa() == "avx512_bf16":
         assert kernel != "none"
+        assert (kernel == "amx") is ({"amx_bf16", "amx_tile"} <= cpu_flag_set())
     if not {"amx_bf16", "amx_tile"} & cpu_flag_set():
         assert kernel != "amx"
 
@@ -122,7 +125,7 @@ def test_decompress_kernel_equals_the_format(isa, dtype):
 
 # the thresholds of each path: the GEMMs run where gemm_runs says, the rows elsewhere;
 # "lanes": a 2:4 layer in the unstructured GEMM (an unstructured layer's GEMM); "brgemm": the
-# tiles through oneDNN's micro-kernel where it runs (brgemm_kernel), else ATen's
+# tiles through a micro-kernel where one runs (brgemm_kernel: AMX or oneDNN's), else ATen's
 PATHS = {path: PathThresholds.only(path) for path in OP_PATHS}
 BITMASK_PATHS = [path for path in PATHS if path != "lanes"]
 
@@ -615,6 +618,70 @@ def test_tiles_are_exact_across_tiles(isa, weight_dtype):
             with torch.inference_mode(inference):
                 got = run(PATHS[path])
             assert torch.equal(got, expected), (layout, path, inference)
+
+
+@pytest.mark.skipif(
+    cpu_kernels_unavailable() is not None or brgemm_kernel() != "amx",
+    reason="the op's AMX tiles run only on a CPU with AMX-BF16 (and avx512_bf16 kernels)",
+)
+def test_amx_tiles_are_exact_on_integer_values():
+    """The brgemm path on AMX (the op's own tiles, ``kernels/op_amx.cpp``): 2:4, unstructured
+    rows and the grouped layout, with and without bias, row counts off the tiles' 32 rows
+    (several blocks per thread), inputs off their 32 and token counts off their 16, on both
+    sides of the few-tokens block size (128): the exact products, rounded once to bfloat16,
+    bit for bit."""
+    from whisper_sparse.cpu.grouped_layout import group_layout
+
+    generator = torch.Generator().manual_seed(7)
+    brgemm = PATHS["brgemm"]
+    for rows, columns in [(300, 4100), (33, 100), (97, 1000)]:
+        two_four = integer_two_four(rows, columns, torch.bfloat16, generator)
+        unstructured = integer_sparse(rows, columns, 0.65, torch.bfloat16, generator)
+        values, bitmask, offsets = compress_bitmask(unstructured)
+        group_values, group_masks, group_offsets = group_layout(values, bitmask, offsets, columns)
+        compressed, two_four_bitmask = compress_24(two_four)
+        runs = {  # layout: (weight, the op on its stored tensors, given x and bias)
+            "2:4": (
+                two_four,
+                partial(
+                    two_four_cpu_linear,
+                    compressed=compressed,
+                    bitmask=two_four_bitmask,
+                    in_features=columns,
+                ),
+            ),
+            "unstructured": (
+                unstructured,
+                partial(
+                    bitmask_cpu_linear,
+                    values=values,
+                    bitmask=bitmask,
+                    row_offsets=offsets,
+                    in_features=columns,
+                ),
+            ),
+            "grouped": (
+                unstructured,
+                partial(
+                    grouped_cpu_linear,
+                    values=group_values,
+                    group_masks=group_masks,
+                    group_offsets=group_offsets,
+                    in_features=columns,
+                    out_features=rows,
+                ),
+            ),
+        }
+        for tokens in (1, 16, 17, 33, 128, 129, 300):
+            x = torch.randint(-3, 4, (tokens, columns), generator=generator).to(torch.bfloat16)
+            bias = torch.randint(-3, 4, (rows,), generator=generator).to(torch.bfloat16)
+            for layout, (weight, run) in runs.items():
+                for b in (bias, None):
+                    exact = x.double() @ weight.double().t()
+                    if b is not None:
+                        exact = exact + b.double()
+                    got = run(x, bias=b, thresholds=brgemm)
+                    assert torch.equal(got, exact.to(torch.bfloat16)), (layout, rows, tokens)
 
 
 def test_bitmask_op_refuses_bad_tensors():

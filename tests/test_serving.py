@@ -917,4 +917,9 @@ def test_the_int8_baseline_benchmark_times_vllms_w8a8_layer(tmp_path):
         assert len(row["rounds"]["w8a8"]) == len(row["rounds"]["bf16"]) == 5
         assert row["lowest"] <= row["ratio"] <= row["highest"]
         assert row["relative_error"] < 0.05
+        assert row["w8a8_path"] == payload["w8a8_path"]  # one shape: one kernel of vLLM's
+    assert payload["w8a8_path"] in (
+        "int8_scaled_mm_with_quant (AMX)",
+        "onednn_scaled_int8_quant + onednn_scaled_mm",
+    )
     assert "| 7B | o | 4096 × 4096 |" in (tmp_path / "t.md").read_text()

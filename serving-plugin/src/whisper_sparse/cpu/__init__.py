@@ -3,8 +3,8 @@
 * ``kernels/``: one C++ file per instruction set (AVX2, AVX-512, AVX-512 BF16 and its 2:4
   and unstructured GEMMs), the torch ops and their paths by token count (``op.cpp``), the
   run-time dispatch from the CPU's flags (``op_isa.cpp``), the GEMM path over the threads
-  (``op_gemm.cpp``) and the prefill tiles (``op_tiles.cpp``; ``op_brgemm.cpp``: through
-  oneDNN's micro-kernel);
+  (``op_gemm.cpp``) and the prefill tiles (``op_tiles.cpp``; ``op_amx.cpp``: the op's AMX
+  tiles; ``op_brgemm.cpp``: through oneDNN's micro-kernel);
 * ``build``: compiled on first use into the cache; ``op``: the sparse CPU op's wrappers, its
   ``PATHS`` and ``PathThresholds``, and the pure-torch reference the tests compare with;
 * ``grouped_layout``, ``row_spread``: an unstructured layer's layouts in memory;

@@ -20,8 +20,8 @@ on one of the ``PATHS`` by the number of tokens, as a ``PathThresholds`` says (a
 * ``lanes``, a 2:4 layer below ``lanes_until``: the unstructured GEMM over its rows;
 * ``tiles``, from ``tiled_from``: about 1 MiB of weight rows expanded at a time and handed
   to ATen's dense GEMM (oneDNN: AMX where the CPU has it);
-* ``brgemm``, the tiles below ``brgemm_until``: the expanded blocks through oneDNN's
-  micro-kernel (``brgemm_kernel``).
+* ``brgemm``, the tiles below ``brgemm_until``: blocks expanded once through a
+  micro-kernel, AMX tiles where AMX-BF16 runs, else oneDNN's (``brgemm_kernel``).
 
 The kernels are chosen at run time from the CPU's flags (``cpu_isa``; ``set_cpu_isa``
 caps them, for tests). ``reference_linear`` is the pure-torch reference the tests compare
@@ -75,8 +75,8 @@ class PathThresholds:
     """Which of the ``PATHS`` the op takes at a token count (its fields in the op schema's
     order, ``kernels/op.cpp``): the row kernels below
     ``gemm_from``, the GEMM from it (a 2:4 layer's unstructured GEMM, "lanes", below
-    ``lanes_until``), the tiles from ``tiled_from`` (through oneDNN's micro-kernel below
-    ``brgemm_until``). The default takes the row kernels at every count."""
+    ``lanes_until``), the tiles from ``tiled_from`` (through a micro-kernel below
+    ``brgemm_until``: ``brgemm_kernel``). The default takes the row kernels at every count."""
 
     gemm_from: int = NO_TILES
     tiled_from: int = NO_TILES
@@ -200,8 +200,9 @@ def set_cpu_isa(name: str) -> None:
 
 
 def brgemm_kernel() -> str:
-    """Where the tiles' oneDNN micro-kernel (``brgemm_until``) runs: ``"amx"`` (AMX tiles),
-    ``"avx512"`` (its AVX512_BF16 kernel) or ``"none"`` (the tiles call ATen's GEMM)."""
+    """Where the micro-kernel tiles (``brgemm_until``) run: ``"amx"`` (AMX tiles, the op's
+    own, ``kernels/op_amx.cpp``), ``"avx512"`` (oneDNN's AVX512_BF16 micro-kernel) or
+    ``"none"`` (the tiles call ATen's GEMM)."""
     return "none" if cpu_kernels_unavailable() else _ops().brgemm_kernel()
 
 

@@ -24,8 +24,8 @@ LEAST_ROUNDS = 5  # rounds per measured point: a slow spell then moves its media
 
 def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
     """The paths worth timing here: the rows and the tiles; the GEMM where it runs (and for a
-    2:4 layer the lanes); the micro-kernel's tiles where they run on AMX tiles (its
-    AVX512_BF16 kernel lost to the GEMM on every 7B shape: benchmarks/results/JOURNAL.md)."""
+    2:4 layer the lanes); the micro-kernel tiles where they run on AMX (oneDNN's
+    AVX512_BF16 micro-kernel lost to the GEMM on every 7B shape: benchmarks/results/JOURNAL.md)."""
     gemm = gemm_runs(dtype, dtype)
     extra = {
         "gemm": gemm,

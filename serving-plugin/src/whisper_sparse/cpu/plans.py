@@ -7,8 +7,8 @@ On a random served layer of the shape and layout (``plan_timing``), at each
 ``TOKEN_LADDER`` count, the op's ``PATHS`` are timed against each other and against the
 dense ``F.linear`` of the same weight: its row kernels, its GEMM (2:4 or unstructured;
 ``gemm_runs``: bfloat16 on ``avx512_bf16`` kernels; for a 2:4 layer, also the unstructured
-GEMM over its rows, "lanes") and its tiles (ATen's GEMM on expanded tiles; where oneDNN's
-micro-kernel runs on AMX tiles, also its blocks through it, "brgemm"). The plan runs each
+GEMM over its rows, "lanes") and its tiles (ATen's GEMM on expanded tiles; on AMX, also
+blocks expanded once through the op's AMX tiles, "brgemm"). The plan runs each
 token count on the path that won there (the tiles, which stand for oneDNN and so for AMX
 where the CPU has it, must win by ``TILES_MARGIN``), and says whether the op beat dense at
 one token (``faster_at_decode``: where it lost, the ``auto`` kernel mode serves the layer
@@ -170,8 +170,7 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
     was never slower than the row kernels; the op, on its chosen path, against dense. Each
     count weighs the faster tiles, the micro-kernel's ("brgemm", where timed) or ATen's, and
     the tiles are ATen's from the lowest of their counts from which ATen's were never slower
-    (``brgemm_until``; on an AMX Xeon's host the micro-kernel won at 16 tokens, by 2.6x on
-    4096 x 11008, and ATen's at 512, by 1.8x)."""
+    (``brgemm_until``: on an AMX Xeon each shape's winner can change with the count)."""
     faster_tiles = [
         _timed_as(t, "tiles", "brgemm")
         if t.get("brgemm_s") is not None and t["brgemm_s"] < t["tiles_s"]

@@ -13,8 +13,9 @@
 //       * M >= tiled_from: cache-sized tiles of W are expanded into a buffer and multiplied by
 //         ATen's dense GEMM (oneDNN; AMX where the CPU has it), each thread its own tiles, in
 //         bfloat16 where the kernels are avx512_bf16, else in float32 (tile_dtype); below
-//         brgemm_until tokens, bfloat16 blocks through oneDNN's micro-kernel (op_brgemm.cpp)
-//         where it runs.
+//         brgemm_until tokens, bfloat16 blocks expanded once through a micro-kernel: AMX
+//         tiles that keep each block's sums over all of K (op_amx.cpp) where AMX-BF16 runs,
+//         else oneDNN's (op_brgemm.cpp) where it runs.
 //       The dense weight is never held whole.
 //   whisper_sparse_cpu::bitmask_linear(x, values, bitmask, row_offsets, bias, in_features,
 //                                        gemm_from, tiled_from, brgemm_until=0)
@@ -33,8 +34,8 @@
 //   bitmask_decompress(values, bitmask, row_offsets, in_features): the dense W (tests).
 //   whisper_sparse_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
 //       "avx512", "avx2" or "none"), and a cap below them ("auto" undoes it).
-//   whisper_sparse_cpu::brgemm_kernel(): where the brgemm tiles run oneDNN's micro-kernel
-//       ("amx", "avx512" or "none"; op_brgemm.cpp).
+//   whisper_sparse_cpu::brgemm_kernel(): where the brgemm tiles run ("amx": AMX tiles,
+//       "avx512": oneDNN's AVX512_BF16 micro-kernel, "none": ATen's tiles; op_tiles.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -283,7 +284,7 @@ TORCH_LIBRARY(whisper_sparse_cpu, m) {
         "int in_features, int out_features) -> Tensor");
   m.def("isa", &whisper_sparse::isa);
   m.def("set_isa", &whisper_sparse::set_isa);
-  m.def("brgemm_kernel", &whisper_sparse::brgemm_kernel);
+  m.def("brgemm_kernel", &whisper_sparse::brgemm_tiles_kernel);
 }
 
 TORCH_LIBRARY_IMPL(whisper_sparse_cpu, CPU, m) {

@@ -11,9 +11,8 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <memory>
 
+#include "op_buffers.h"
 #include "sparse_kernels.h"
 
 namespace whisper_sparse {
@@ -29,18 +28,6 @@ constexpr int64_t kInputsPerProduct = 1024;
 // 512 KiB (L2).
 int64_t rows_per_block(int64_t in_features) {
   return expanded_row_stride(in_features) * 2 * 32 <= (int64_t(512) << 10) ? 32 : 16;
-}
-
-struct AlignedFree {
-  void operator()(void* pointer) const { std::free(pointer); }
-};
-
-template <typename T>
-std::unique_ptr<T[], AlignedFree> aligned_buffer(int64_t count) {
-  const int64_t bytes = (count * int64_t(sizeof(T)) + 63) / 64 * 64;
-  T* pointer = static_cast<T*>(std::aligned_alloc(64, bytes));
-  TORCH_CHECK(pointer != nullptr, "the tiles could not allocate ", bytes, " bytes");
-  return std::unique_ptr<T[], AlignedFree>(pointer);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "op_amx.h"
 #include "op_brgemm.h"
 #include "op_isa.h"
 #include "sparse_kernels.h"
@@ -90,13 +91,16 @@ void tiles_of_thread(const at::Tensor& x_w, const OpLayer& layer,
 // tile crosses between cores' caches and no tile costs a fork and join (JOURNAL.md). The
 // threads run tensor ops, so each takes the caller's thread-local state (inference mode
 // above all: y is an inference tensor under vLLM).
-// With brgemm_tiles, in bfloat16, oneDNN's micro-kernel on smaller blocks where it runs
-// (op_brgemm.cpp).
+// With brgemm_tiles, in bfloat16, the AMX tiles where they run (op_amx.cpp), else oneDNN's
+// micro-kernel where it runs (op_brgemm.cpp).
 at::Tensor tiled_linear(const at::Tensor& x2, const OpLayer& layer,
                         const c10::optional<at::Tensor>& bias, bool brgemm_tiles) {
   const int64_t rows = layer.rows;
   const auto dtype = tile_dtype(layer.values.scalar_type());
   const at::Tensor x_w = x2.scalar_type() == dtype ? x2 : x2.to(dtype);
+  if (brgemm_tiles && dtype == at::kBFloat16 && amx_runs(layer.in_features)) {
+    return amx_linear(x_w, layer, bias);
+  }
   if (brgemm_tiles && dtype == at::kBFloat16 && brgemm_runs(layer.in_features)) {
     return brgemm_linear(x_w, layer, bias);
   }
@@ -114,5 +118,7 @@ at::Tensor tiled_linear(const at::Tensor& x2, const OpLayer& layer,
   });
   return y;
 }
+
+std::string brgemm_tiles_kernel() { return amx_runs(2) ? "amx" : brgemm_kernel(); }
 
 }  // namespace whisper_sparse

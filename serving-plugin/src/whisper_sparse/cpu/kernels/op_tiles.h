@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 
 #include "op_layer.h"
 
@@ -16,8 +17,13 @@ void decompress_rows(const OpLayer& layer, int64_t begin, int64_t end, at::Tenso
 
 // y = x2 W^T (+ bias) for x2 [M, in_features]: tiles of W's rows expanded and multiplied by
 // ATen's dense GEMM, in bfloat16 where the kernels are avx512_bf16 and W is bfloat16, else in
-// float32; with brgemm_tiles, in bfloat16, oneDNN's micro-kernel where it runs (op_brgemm.cpp).
+// float32; with brgemm_tiles, in bfloat16, a micro-kernel over blocks of W expanded once: the
+// AMX tiles where they run (op_amx.cpp), else oneDNN's where it runs (op_brgemm.cpp).
 at::Tensor tiled_linear(const at::Tensor& x2, const OpLayer& layer,
                         const c10::optional<at::Tensor>& bias, bool brgemm_tiles);
+
+// Where brgemm_tiles run: "amx" (AMX tiles: op_amx.cpp's, or oneDNN's where those do not
+// run), "avx512" (oneDNN's AVX512_BF16 micro-kernel) or "none" (ATen's GEMM tiles).
+std::string brgemm_tiles_kernel();
 
 }  // namespace whisper_sparse

@@ -1,0 +1,23 @@
+// The AMX tiles' path (op_amx.cpp): bfloat16 tile products on AMX-BF16, written here.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "op_layer.h"
+
+namespace whisper_sparse {
+
+// Whether amx_linear runs here: the CPU has AMX-TILE and AMX-BF16, the OS saves their state and
+// lets this process use it, the kernels are not capped below avx512_bf16, and in_features is
+// even (the packed activations hold pairs of inputs).
+bool amx_runs(int64_t in_features);
+
+// y = x2 W^T (+ bias) in bfloat16, for x2 [M, in_features] and W bfloat16 (2:4, unstructured or
+// grouped): each block of W's rows is expanded once into a row-major buffer, the A tiles, and
+// multiplied by x2^T, packed once per call into the B tiles' layout.
+at::Tensor amx_linear(const at::Tensor& x2, const OpLayer& layer,
+                      const c10::optional<at::Tensor>& bias);
+
+}  // namespace whisper_sparse
