@@ -83,7 +83,7 @@ WS_TARGET void block_product(const c10::BFloat16* a, int64_t lda, const c10::BFl
 // y[t0 + t][n + r] = bfloat16(c[r][t] + bias[n + r]) for the block's `tokens` tokens and
 // `rows` rows (c as block_product leaves it; y's row stride ldy): 16 x 16 transposes.
 WS_TARGET void store_sums(const float* c, const float* bias, int64_t rows, int64_t tokens,
-                              c10::BFloat16* y, int64_t ldy) {
+                          c10::BFloat16* y, int64_t ldy) {
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
     const int64_t count = std::min(kTileRows, rows - r0);
     const __mmask16 real = __mmask16((uint32_t(1) << count) - 1);
@@ -106,8 +106,8 @@ WS_TARGET void release_tiles() { _tile_release(); }
 
 // Tokens [first, first + count) of x [M, K] as 16-token tile columns [K_padded / 2][16][2]
 // (pairs of inputs as 32-bit words: a transpose of words), zero past count and past K.
-WS_TARGET void pack_tokens(const c10::BFloat16* x, int64_t K, int64_t k_padded,
-                               int64_t first, int64_t count, c10::BFloat16* out) {
+WS_TARGET void pack_tokens(const c10::BFloat16* x, int64_t K, int64_t k_padded, int64_t first,
+                           int64_t count, c10::BFloat16* out) {
   const auto* words = reinterpret_cast<const int32_t*>(x + first * K);
   auto* packed = reinterpret_cast<int32_t*>(out);
   const __m512i token_words = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,

@@ -58,6 +58,8 @@ struct AmxBlocking {
   int64_t token_blocks;    // of kBlockTokens
   int64_t per_block;       // rows expanded at a time, a multiple of kSubRows
   int64_t pass_steps;      // steps per pass over K (a block's sums kept between passes)
+
+  bool passes() const { return pass_steps < k_steps; }
 };
 
 AmxBlocking amx_blocking(const OpLayer& layer, int64_t tokens) {
@@ -80,7 +82,6 @@ AmxBlocking amx_blocking(const OpLayer& layer, int64_t tokens) {
 void block_products(const AmxBlocking& p, const c10::BFloat16* a, int64_t r0, int64_t count,
                     const c10::BFloat16* packed, const float* bias, float* sums,
                     c10::BFloat16* y) {
-  const bool passes = p.pass_steps < p.k_steps;
   for (int64_t k0 = 0; k0 < p.k_steps; k0 += p.pass_steps) {
     const int64_t steps = std::min(p.pass_steps, p.k_steps - k0);
     const bool last_pass = k0 + steps == p.k_steps;
@@ -89,7 +90,7 @@ void block_products(const AmxBlocking& p, const c10::BFloat16* a, int64_t r0, in
       const c10::BFloat16* b =
           packed + (t0 / kTileRows) * p.group_elements + k0 * kTileInputs * kTileRows;
       for (int64_t s = 0; s < count; s += kSubRows) {
-        float* c = passes ? sums + ((s / kSubRows) * p.token_blocks + t0 / kBlockTokens) *
+        float* c = p.passes() ? sums + ((s / kSubRows) * p.token_blocks + t0 / kBlockTokens) *
                                        kSubRows * kBlockTokens
                           : sums;
         const c10::BFloat16* a_sub = a + s * p.lda + k0 * kTileInputs;
@@ -112,8 +113,7 @@ void blocks_of_thread(const AmxBlocking& p, const OpLayer& layer, const c10::BFl
                       const float* bias, c10::BFloat16* y, int64_t first, int64_t last) {
   auto expanded = aligned_buffer<c10::BFloat16>(p.per_block * p.lda);
   std::memset(expanded.get(), 0, p.per_block * p.lda * sizeof(c10::BFloat16));
-  const bool passes = p.pass_steps < p.k_steps;
-  auto sums = aligned_buffer<float>((passes ? p.per_block / kSubRows * p.token_blocks : 1) *
+  auto sums = aligned_buffer<float>((p.passes() ? p.per_block / kSubRows * p.token_blocks : 1) *
                                     kSubRows * kBlockTokens);
   for (int64_t block = first; block < last; ++block) {
     const int64_t r0 = block * p.per_block, count = std::min(p.per_block, p.rows - r0);

@@ -98,11 +98,9 @@ at::Tensor tiled_linear(const at::Tensor& x2, const OpLayer& layer,
   const int64_t rows = layer.rows;
   const auto dtype = tile_dtype(layer.values.scalar_type());
   const at::Tensor x_w = x2.scalar_type() == dtype ? x2 : x2.to(dtype);
-  if (brgemm_tiles && dtype == at::kBFloat16 && amx_runs(layer.in_features)) {
-    return amx_linear(x_w, layer, bias);
-  }
-  if (brgemm_tiles && dtype == at::kBFloat16 && brgemm_runs(layer.in_features)) {
-    return brgemm_linear(x_w, layer, bias);
+  if (brgemm_tiles && dtype == at::kBFloat16) {
+    if (amx_runs(layer.in_features)) return amx_linear(x_w, layer, bias);
+    if (brgemm_runs(layer.in_features)) return brgemm_linear(x_w, layer, bias);
   }
   const c10::optional<at::Tensor> bias_w =
       bias.has_value() && bias->defined() ? c10::optional<at::Tensor>(bias->to(dtype))
