@@ -25,56 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, alternated_rounds, ratio_spread, run_stamp, write_json  # noqa: E402
-from cpu_layers import SHAPES, cpu_line, vllm_dense_linear  # noqa: E402
-
-SGL_PATH = "int8_scaled_mm_with_quant (AMX)"
-ONEDNN_PATH = "onednn_scaled_int8_quant + onednn_scaled_mm"
-
-
-def vllm_w8a8_linear():
-    """``(weight_int8 [out, in], scales [out, 1]) -> (x -> y)`` as vLLM's CPU W8A8 layers run
-    it (the function's ``path`` names vLLM's kernel for that shape), or None without vLLM's
-    CPU int8 ops."""
-    try:
-        import torch
-        import vllm._custom_ops as ops
-        from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
-    except Exception:  # no vLLM here
-        return None
-
-    def make(weight, scales):
-        rows, columns = weight.shape
-        if check_cpu_sgl_kernel(rows, columns, weight.dtype):
-            packed = torch.ops._C.convert_weight_packed(weight)
-
-            def run_sgl(x):
-                return torch.ops._C.int8_scaled_mm_with_quant(
-                    x, packed, scales, None, x.dtype, True
-                )
-
-            run_sgl.path = SGL_PATH
-            return run_sgl
-        handle = ops.create_onednn_scaled_mm(weight.t(), scales, torch.bfloat16, True, False, 32)
-        handle.kept = (
-            weight,
-            scales,
-        )  # the handle reads the scales in place, as vLLM's layer keeps them
-
-        def run(x):
-            x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)
-            out = torch.empty((x.shape[0], rows), dtype=x.dtype)
-            return ops.onednn_scaled_mm(handle, x_q, out, x_s, x_zp, None, None)
-
-        run.path = ONEDNN_PATH
-        return run
-
-    return make
-
-
-def run_all(calls) -> None:
-    """One pass through ``calls`` (one per weight copy)."""
-    for call in calls:
-        call()
+from cpu_layers import (  # noqa: E402
+    SHAPES,
+    cpu_line,
+    run_all,
+    vllm_dense_linear,
+    vllm_w8a8_linear,
+)
 
 
 def measure(rows: int, columns: int, tokens: list[int], args, bf16_for, w8a8_for) -> list[dict]:

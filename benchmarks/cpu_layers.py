@@ -1,9 +1,9 @@
 """What the CPU benchmarks share: the Llama projections they time (``SHAPES``), this CPU's
 line (``cpu_line``), vLLM's dense CPU GEMM as its unquantized layers run it
-(``vllm_dense_linear``), and random layers in each layout as the vLLM plugin holds them
-(``op_layers``). ``cpu_sparse_op.py`` times them shape by shape, ``cpu_token_pass.py`` layer
-after layer; the vLLM benchmarks label their CPU by ``cpu_line``. Imports neither loguru nor
-llmcompressor (a GPU machine's image has neither).
+(``vllm_dense_linear``) and its dense W8A8 layer (``vllm_w8a8_linear``), and random layers
+in each layout as the vLLM plugin holds them (``op_layers``). ``cpu_sparse_op.py`` times them
+shape by shape, ``cpu_token_pass.py`` layer after layer; the vLLM benchmarks label their CPU
+by ``cpu_line``. Imports neither loguru nor llmcompressor (a GPU machine's image has neither).
 """
 
 from __future__ import annotations
@@ -64,6 +64,23 @@ def vllm_dense_linear():
         return lambda x: ops.onednn_mm(handle, x, None)
 
     return linear_for
+
+
+def vllm_w8a8_linear():
+    """``(weight_int8 [out, in], scales [out, 1]) -> (x -> y)`` as vLLM's CPU W8A8 layers run
+    it (``vllm_adapter.w8a8.dense_w8a8_linear``; the function's ``path`` names vLLM's kernel
+    for that shape), or None without vLLM's CPU int8 ops."""
+    try:
+        from whisper_sparse.vllm_adapter.w8a8 import dense_w8a8_linear
+    except Exception:  # no vLLM here
+        return None
+    return dense_w8a8_linear
+
+
+def run_all(calls) -> None:
+    """One pass through ``calls`` (one per weight copy)."""
+    for call in calls:
+        call()
 
 
 def op_layers(

@@ -4,6 +4,7 @@ dense linear (oneDNN), per layer shape, in one run.
     python benchmarks/cpu_sparse_op.py                      # Llama 7B and 8B shapes, bfloat16
     python benchmarks/cpu_sparse_op.py --shapes 7B --tokens 1 16 --dtype float32
     python benchmarks/cpu_sparse_op.py --sparsity 2:4 0.5 0.65 0.7 --tokens 1 4 16
+    python benchmarks/cpu_sparse_op.py --dtype int8 --sparsity 2:4 0.65   # W8A8 (cpu_int8_op.py)
 
 For each projection of Llama-2-7B and Llama-3-8B as vLLM runs it (qkv and gate_up fused),
 random weights pruned 2:4 by magnitude, at each token count: dense ``F.linear`` on the
@@ -45,7 +46,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, alternated_rounds, check_serving_sparsities, write_json  # noqa: E402
-from cpu_layers import DENSE_CAPS, SHAPES, cpu_line, op_layers, vllm_dense_linear  # noqa: E402
+from cpu_layers import (  # noqa: E402
+    DENSE_CAPS,
+    SHAPES,
+    cpu_line,
+    op_layers,
+    run_all,
+    vllm_dense_linear,
+)
 from cpu_op_tables import write_results  # noqa: E402
 
 TOKENS = [1, 4, 16, 64, 512]
@@ -76,19 +84,14 @@ def alternating_medians(sides: dict[str, list], repeats: int) -> dict[str, float
     one pass of every side (each call with its own weight copy), the sides in turn, in the
     round's order of ``balanced_orders`` (``common.alternated_rounds``)."""
     for calls in sides.values():  # warm-up: pages touched, kernels built, plans made
-        one_pass(calls)
+        run_all(calls)
     rounds = alternated_rounds(
-        {label: partial(one_pass, calls) for label, calls in sides.items()}, repeats
+        {label: partial(run_all, calls) for label, calls in sides.items()}, repeats
     )
     return {
         label: statistics.median([seconds / len(sides[label]) for seconds in values])
         for label, values in rounds.items()
     }
-
-
-def one_pass(calls: list) -> None:
-    for call in calls:
-        call()
 
 
 def measure_shape(
@@ -154,8 +157,14 @@ def measure_shape(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--projections", nargs="+", default=None, help="default: every one")
     parser.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "int8"],
+        help="int8: W8A8 layers against vLLM's dense W8A8 layer (cpu_int8_op.py)",
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--sparsity",
@@ -223,6 +232,10 @@ def main(argv=None) -> int:
     if reason:
         print(f"the CPU op does not run here: {reason}")
         return 0
+    if args.dtype == "int8":
+        from cpu_int8_op import main as int8_main
+
+        return int8_main(args)
     own = cpu_isa()
     if args.isa != "auto" and args.isa not in supported_isas():
         parser.error(f"--isa: this CPU runs {', '.join(supported_isas())}, not {args.isa}")
@@ -251,6 +264,8 @@ def main(argv=None) -> int:
         )
         for model in args.shapes:
             for projection, (rows, columns) in SHAPES[model].items():
+                if args.projections and projection not in args.projections:
+                    continue
                 print(f"{model} {projection} {sparsity}", flush=True)
                 shapes[f"{model}/{projection}"] = measure_shape(
                     rows, columns, args.tokens, dtype, args, sparsity

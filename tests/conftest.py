@@ -242,3 +242,37 @@ def dense_state_dict(model) -> dict[str, torch.Tensor]:
         decompress = decompress_bitmask if len(parts) == 3 else decompress_24
         state[f"{name}.weight"] = decompress(*parts, shape, name)
     return state
+
+
+def run_emulated_kernel_check(tmp_path: Path, sources: list[Path]) -> None:
+    """Build a tests/native checker with its kernel sources against avx512_emulation.h (the
+    AVX-512 intrinsics in plain C++, lane by lane) under AddressSanitizer, run it, and assert
+    that it printed OK (each failure is a line of its output)."""
+    import subprocess
+
+    from whisper_sparse.cpu import build as cpu_build
+    from whisper_sparse.cpu.build import SOURCE_DIR
+
+    compiler = cpu_build._compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    native = Path(__file__).with_name("native")
+    command = [
+        compiler,
+        "-O1",
+        "-fsanitize=address",
+        "-std=c++17",
+        "-ffp-contract=off",
+        "-I",
+        str(SOURCE_DIR),
+        "-I",
+        str(native),
+        '-DWS_EMULATE_INTRINSICS="avx512_emulation.h"',
+        *map(str, sources),
+        "-o",
+        str(tmp_path / "check"),
+    ]
+    built = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    done = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", (done.stdout + done.stderr)[-3000:]

@@ -424,6 +424,43 @@ def test_the_cpu_op_benchmark_runs_without_the_serving_driver():
     assert "threads; op kernels" in done.stdout
 
 
+def test_cpu_op_benchmark_times_the_w8a8_op_against_vllms_w8a8_layer(tmp_path):
+    """``--dtype int8`` in the serving environment, on one small shape at 2:4 and 65 %: each
+    path's output equals vLLM's oneDNN W8A8 layer before it is timed, and the table gives the
+    ratios against vLLM's W8A8 layer and its bf16 GEMM; without the W8A8 kernels it says so."""
+    import subprocess
+
+    from whisper_sparse.driver.worker_process import serving_python
+
+    try:
+        python = serving_python()
+    except FileNotFoundError as error:  # no serving environment: scripts/setup_serving.sh
+        pytest.skip(str(error))
+    argv = ["--dtype", "int8", "--sparsity", "2:4", "0.65", "--tokens", "1", "20"]
+    argv += ["--repeats", "1", "--working-set", "1", "--out", str(tmp_path)]
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import cpu_sparse_op, cpu_int8_op; "
+        "cpu_int8_op.SHAPES = {'7B': {'o': (64, 256)}}; "
+        f"sys.exit(cpu_sparse_op.main({argv!r}))"
+    )
+    done = subprocess.run(
+        [str(python), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    if "do not run here" in done.stdout:
+        pytest.skip(done.stdout.strip().splitlines()[-1])
+    (json_file,) = tmp_path.glob("cpu_sparse_int8-*.json")
+    payload = json.loads(json_file.read_text())
+    for sparsity in ("2:4", "0.65"):
+        rows = payload["sparsities"][sparsity]["7B/o"]
+        assert [row["tokens"] for row in rows] == [1, 20]
+        for row in rows:
+            assert row["exact"] and all(row["exact"].values()), row["exact"]
+            assert set(row["vs_w8a8"]) == set(row["vs_bf16"]) and "rows" in row["vs_w8a8"]
+            assert row["best"] in row["vs_w8a8"]
+    assert "| 7B/o |" in json_file.with_suffix(".md").read_text()
+
+
 def test_cpu_op_benchmark_caps_the_op_and_dense_alike(tmp_path):
     """``--isa avx2``: the op's AVX2 kernels against dense as torch runs it on a CPU without
     AVX-512 (ATen's AVX2 GEMM, oneDNN capped), both caps set when the process starts, and

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from whisper_sparse.cpu import build as cpu_build
+from conftest import run_emulated_kernel_check
 from whisper_sparse.cpu.build import SOURCE_DIR
 from whisper_sparse.cpu.cpu_info import cpu_flag_set
 from whisper_sparse.cpu.op import (
@@ -458,24 +458,7 @@ def test_avx512_and_avx2_kernels_are_right_on_any_cpu(tmp_path):
         SOURCE_DIR / "avx512_bf16_bitmask_gemm.cpp",
         SOURCE_DIR / "avx512_bf16_grouped.cpp",
     ]
-    command = [
-        cpu_build._compiler(),
-        "-O1",
-        "-fsanitize=address",
-        "-std=c++17",
-        "-I",
-        str(SOURCE_DIR),
-        "-I",
-        str(native),
-        '-DWS_EMULATE_INTRINSICS="avx512_emulation.h"',
-        *map(str, sources),
-        "-o",
-        str(tmp_path / "check"),
-    ]
-    built = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-3000:]
-    done = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "OK", (done.stdout + done.stderr)[-3000:]
+    run_emulated_kernel_check(tmp_path, sources)
 
 
 def test_a_new_build_of_the_op_measures_its_plans_again(tmp_path, monkeypatch):

@@ -376,3 +376,62 @@ inline __m256i _mm256_maskz_loadu_epi16(__mmask16 k, const void* p) {
     if (k >> i & 1) std::memcpy(&r.u16[i], static_cast<const uint16_t*>(p) + i, 2);
   return r;
 }
+
+// The byte intrinsics of the W8A8 kernels (int8_avx512_vnni.cpp), VNNI's vpdpbusd among them.
+typedef uint64_t __mmask64;
+
+inline __m512i _mm512_set1_epi8(char value) {
+  __m512i r;
+  std::memset(r.u8, static_cast<uint8_t>(value), 64);
+  return r;
+}
+
+inline __m512i _mm512_xor_si512(__m512i a, __m512i b) {
+  for (int i = 0; i < 64; ++i) a.u8[i] ^= b.u8[i];
+  return a;
+}
+
+inline __m512i _mm512_maskz_loadu_epi8(__mmask64 k, const void* p) {
+  __m512i r{};
+  for (int i = 0; i < 64; ++i)
+    if (k >> i & 1) r.u8[i] = static_cast<const uint8_t*>(p)[i];
+  return r;
+}
+
+inline __m512i _mm512_maskz_expand_epi8(__mmask64 k, __m512i a) {
+  __m512i r{};
+  for (int i = 0, j = 0; i < 64; ++i)
+    if (k >> i & 1) r.u8[i] = a.u8[j++];
+  return r;
+}
+
+inline void _mm512_mask_storeu_epi8(void* p, __mmask64 k, __m512i a) {
+  for (int i = 0; i < 64; ++i)
+    if (k >> i & 1) static_cast<uint8_t*>(p)[i] = a.u8[i];
+}
+
+// Per 32-bit lane: src plus the four products of a's unsigned bytes by b's signed ones, in
+// int32 without saturation (wrapping).
+inline __m512i _mm512_dpbusd_epi32(__m512i src, __m512i a, __m512i b) {
+  for (int i = 0; i < 16; ++i) {
+    uint32_t sum = src.u32[i];
+    for (int j = 0; j < 4; ++j)
+      sum += uint32_t(int32_t(a.u8[4 * i + j]) * int32_t(int8_t(b.u8[4 * i + j])));
+    src.u32[i] = sum;
+  }
+  return src;
+}
+
+inline int32_t _mm512_reduce_add_epi32(__m512i a) {
+  uint32_t sum = 0;
+  for (int i = 0; i < 16; ++i) sum += a.u32[i];
+  return int32_t(sum);
+}
+
+inline __m512i _mm512_maskz_expandloadu_epi8(__mmask64 k, const void* p) {
+  __m512i r{};
+  const uint8_t* source = static_cast<const uint8_t*>(p);
+  for (int i = 0, j = 0; i < 64; ++i)
+    if (k >> i & 1) r.u8[i] = source[j++];
+  return r;
+}

@@ -181,6 +181,14 @@ def _register_fake() -> None:
     def _(values, group_masks, group_offsets, in_features, out_features):
         return values.new_empty(out_features, in_features)
 
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::int8_linear")
+    def _(x_q, x_scale, values, bitmask, row_offsets, w_scale, bias, in_features, out_dtype, *_):
+        return x_q.new_empty(*x_q.shape[:-1], bitmask.shape[0], dtype=out_dtype)
+
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::int8_decompress")
+    def _(values, bitmask, row_offsets, in_features):
+        return values.new_empty(bitmask.shape[0], in_features)
+
 
 def cpu_isa() -> str | None:
     """The kernels the op runs here (``CPU_ISAS``), None where it is unavailable."""

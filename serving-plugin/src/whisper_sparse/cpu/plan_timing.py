@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from whisper_sparse.cpu.op import PATHS, PathThresholds, brgemm_kernel, gemm_runs
 from whisper_sparse.cpu.served_layer import random_served_layer
 
-__all__ = ["path_timings"]
+__all__ = ["path_timings", "rounds_in_turn", "timed_point"]
 
 TIME_BUDGET = 0.15  # seconds of runs per measured point and path (at least LEAST_ROUNDS)
 LEAST_ROUNDS = 5  # rounds per measured point: a slow spell then moves its median little
@@ -35,7 +35,7 @@ def _measured_paths(dtype: torch.dtype, density: float | None) -> list[str]:
     return [path for path in PATHS if path in ("rows", "tiles") or extra[path]]
 
 
-def _rounds(fns: dict) -> dict:
+def rounds_in_turn(fns: dict) -> dict:
     """Wall times of each of ``fns``, run in turn, round after round: at least
     ``LEAST_ROUNDS`` rounds, and until each has had ``TIME_BUDGET`` seconds (at most 50
     rounds)."""
@@ -74,10 +74,16 @@ def path_timings(
                 path: lambda x=x, thresholds=thresholds: layer.linear(x, None, thresholds)
                 for path, thresholds in paths.items()
             }
-            rounds = _rounds(fns)
-            timings.append(
-                {"tokens": tokens}
-                | {f"{name}_s": statistics.median(r) for name, r in rounds.items()}
-                | {f"{name}_rounds": r for name, r in rounds.items()}
-            )
+            timings.append(timed_point(tokens, fns))
     return timings
+
+
+def timed_point(tokens: int, fns: dict) -> dict:
+    """A ladder point: ``fns`` timed in turn (``rounds_in_turn``), each one's rounds
+    (``{name}_rounds``) and their median (``{name}_s``)."""
+    rounds = rounds_in_turn(fns)
+    return (
+        {"tokens": tokens}
+        | {f"{name}_s": statistics.median(r) for name, r in rounds.items()}
+        | {f"{name}_rounds": r for name, r in rounds.items()}
+    )

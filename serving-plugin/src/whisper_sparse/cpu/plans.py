@@ -46,8 +46,10 @@ __all__ = [
     "CpuPlan",
     "cpu_plan",
     "measure_cpu_plan",
+    "first_of_winning_run",
     "plan_density",
     "plan_from_timings",
+    "time_ratio",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,7 +125,7 @@ def measure_cpu_plan(
     return plan_from_timings(timings), timings
 
 
-def _time_ratio(timing: dict, path: str, rival: str) -> float:
+def time_ratio(timing: dict, path: str, rival: str) -> float:
     """``path``'s time over ``rival``'s at a ladder point: the median over the rounds of each
     round's ratio where both were timed round by round (``{name}_rounds``; a slow spell on
     the shared machine then slows both sides of a ratio, where it could take one side's
@@ -134,18 +136,18 @@ def _time_ratio(timing: dict, path: str, rival: str) -> float:
     return timing[f"{path}_s"] / timing[f"{rival}_s"]
 
 
-def _first_of_winning_run(
+def first_of_winning_run(
     timings: list[dict], path: str, rivals: list[str], margin: float = 1.0
 ) -> int:
     """The lowest ladder count from which ``path`` took at most ``margin`` times the time
-    of each of ``rivals`` at that count and every count above it (``_time_ratio``;
+    of each of ``rivals`` at that count and every count above it (``time_ratio``;
     ``NO_TILES`` where it lost at the top)."""
     start = NO_TILES
     for timing in reversed(timings):
         if timing.get(f"{path}_s") is None:
             break
         if any(
-            _time_ratio(timing, path, rival) > margin
+            time_ratio(timing, path, rival) > margin
             for rival in rivals
             if timing.get(f"{rival}_s") is not None
         ):
@@ -177,20 +179,20 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
         else t
         for t in timings
     ]
-    tiled_from = _first_of_winning_run(
+    tiled_from = first_of_winning_run(
         faster_tiles, "tiles", ["rows", "gemm", "lanes"], TILES_MARGIN
     )
     tiled = [t for t in timings if t["tokens"] >= tiled_from and t.get("brgemm_s") is not None]
-    brgemm_until = _first_of_winning_run(tiled, "tiles", ["brgemm"]) if tiled else 0
+    brgemm_until = first_of_winning_run(tiled, "tiles", ["brgemm"]) if tiled else 0
     below = [timing for timing in timings if timing["tokens"] < tiled_from]
     lanes_until = 0
     if below and any(timing.get("lanes_s") is not None for timing in below):
-        lanes_until = _first_of_winning_run(below, "gemm", ["lanes"])
+        lanes_until = first_of_winning_run(below, "gemm", ["lanes"])
     chosen = [
         _timed_as(timing, "gemm", "lanes") if timing["tokens"] < lanes_until else timing
         for timing in below
     ]
-    gemm_from = _first_of_winning_run(chosen, "gemm", ["rows"]) if below else NO_TILES
+    gemm_from = first_of_winning_run(chosen, "gemm", ["rows"]) if below else NO_TILES
     paths = PathThresholds(
         gemm_from=gemm_from,
         tiled_from=tiled_from,
@@ -198,7 +200,7 @@ def plan_from_timings(timings: list[dict]) -> CpuPlan:
         brgemm_until=brgemm_until,
     )
     speedups = tuple(
-        (t["tokens"], _time_ratio(t, "dense", paths.path(t["tokens"]))) for t in timings
+        (t["tokens"], time_ratio(t, "dense", paths.path(t["tokens"]))) for t in timings
     )
     return CpuPlan(**asdict(paths), faster_at_decode=speedups[0][1] >= 1.0, speedups=speedups)
 
@@ -250,11 +252,17 @@ def plan_key(out_features: int, in_features: int, dtype: torch.dtype, density: f
 
 
 def cpu_plan(
-    out_features: int, in_features: int, dtype: torch.dtype, density: float | None = None
+    out_features: int,
+    in_features: int,
+    dtype: torch.dtype,
+    density: float | None = None,
+    measure=None,
 ) -> CpuPlan:
     """The plan of a layer shape, dtype and layout (``density`` None: 2:4; else an
     unstructured layer's, rounded by ``plan_density``) here: from memory, from the cache
-    file, or measured now (a few seconds for a 7B-sized layer) and added to the file."""
+    file, or measured now (a few seconds for a 7B-sized layer) and added to the file.
+    ``measure(density)``, where given, measures it instead of ``measure_cpu_plan`` (the W8A8
+    op's plans, ``cpu.int8_serving``): ``(plan, timings)``."""
     density = plan_density(density)
     key = plan_key(out_features, in_features, dtype, density)
     with _lock:
@@ -264,7 +272,10 @@ def cpu_plan(
         stored = _stored_plans(path)
         plan = _stored_plan(stored[key]) if key in stored else None
         if plan is None:
-            plan, timings = measure_cpu_plan(out_features, in_features, dtype, density=density)
+            if measure is None:
+                plan, timings = measure_cpu_plan(out_features, in_features, dtype, density=density)
+            else:
+                plan, timings = measure(density)
             stored = _stored_plans(path)  # as other processes left it meanwhile
             stored[key] = {"plan": asdict(plan), "timings": timings}
             write_json_atomically(path, stored)

@@ -215,9 +215,10 @@ def main(request_path: str) -> int:
     )
     import time
 
-    from whisper_sparse.vllm_adapter.compile_key import compilation_mode
+    from whisper_sparse.vllm_adapter.compile_key import COMPILE_KEY, compilation_mode
 
     config = llm.llm_engine.vllm_config
+    extra = config.additional_config if isinstance(config.additional_config, dict) else {}
     answer = {
         "completions": [],
         "scores": [],
@@ -226,6 +227,8 @@ def main(request_path: str) -> int:
             "mode": compilation_mode(config),
             "backend": config.compilation_config.backend,
         },
+        # each compressed layer's kernel as the plugin noted it ("dense", or its plan)
+        "layer_plans": extra.get(COMPILE_KEY, {}).get("layers", {}),
     }
     if request.get("prompts"):
         greedy = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16))

@@ -128,7 +128,7 @@ class SparseConfig(QuantizationConfig):
             if format is None:
                 return inner
             return SparseLinearMethod(prefix, format, get_current_vllm_config())
-        return QuantizedChainLinearMethod(prefix, inner, format)
+        return QuantizedChainLinearMethod(prefix, inner, format, get_current_vllm_config())
 
 
 class LegacySparseConfig(SparseConfig):

@@ -19,6 +19,7 @@ from whisper_sparse.cpu.fp8 import (
     emulated_fp8,
 )
 from whisper_sparse.cpu.int8 import ExactInt8Linear, wants_exact_int8
+from whisper_sparse.cpu.int8_op import int8_kernels
 from whisper_sparse.cpu.linear import cpu_serving_kernel, cpu_serving_refusal
 from whisper_sparse.format.declaration import TWO_FOUR_FORMAT
 from whisper_sparse.gpu.kernels import serving_kernel
@@ -28,7 +29,6 @@ from whisper_sparse.vllm_adapter.compile_key import note_layer
 from whisper_sparse.vllm_adapter.loading import (
     dense_of,
     register_compressed,
-    take_dense_weight,
     take_stored,
 )
 from whisper_sparse.weight_bytes import DENSE_BYTES_ATTRIBUTE
@@ -41,7 +41,19 @@ logger = init_logger(f"vllm.plugins.{__name__}")
 LAYOUT_NAMES = {TWO_FOUR_FORMAT: "2:4"}  # others: "unstructured"
 
 
-class SparseLinearMethod(UnquantizedLinearMethod):
+class _NotesCompileKey:
+    """A linear method that records its layer's kernel mode and plan in vLLM's compile-cache
+    key (``compile_key.note_layer``), where it was given the engine's config."""
+
+    name: str
+    vllm_config = None
+
+    def _note(self, mode: str, plan: dict | None) -> None:
+        if self.vllm_config is not None:
+            note_layer(self.vllm_config, self.name, mode, plan)
+
+
+class SparseLinearMethod(_NotesCompileKey, UnquantizedLinearMethod):
     """A layer loaded compressed in ``format`` (``vllm_adapter.loading``; merged layers and
     tensor-parallel shards load as the dense weight would), then run by, in this order:
 
@@ -145,10 +157,6 @@ class SparseLinearMethod(UnquantizedLinearMethod):
             )
         return kernel
 
-    def _note(self, mode: str, plan: dict | None) -> None:
-        if self.vllm_config is not None:
-            note_layer(self.vllm_config, self.name, mode, plan)
-
     def apply(self, layer, x, bias=None):
         kernel = getattr(layer, "sparse_kernel", None)
         if kernel is None:
@@ -156,19 +164,22 @@ class SparseLinearMethod(UnquantizedLinearMethod):
         return kernel.linear(x, bias)
 
 
-class QuantizedChainLinearMethod(LinearMethodBase):
+class QuantizedChainLinearMethod(_NotesCompileKey, LinearMethodBase):
     """A W8A8 / FP8 chain's quantized layer: compressed-tensors' scheme for this layer
     (``inner``, vLLM's own kernels); if ``compressed``, its quantized weight is loaded
     compressed and decompressed before the scheme processes it. Where vLLM's kernel for the
     layer would not compute well on this CPU, the plugin's replacement runs instead:
     ``cpu.int8.ExactInt8Linear`` where the oneDNN int8 GEMM saturates, and the weight
     dequantized to the model's dtype (``cpu.fp8``) where FP8 has only the emulated path.
-    ``format``: the stored weight's compressed layout (None: stored dense)."""
+    A compressed W8A8 layer on a CPU runs the W8A8 op on its stored int8 values instead
+    (``vllm_adapter.w8a8``), where its plan says so. ``format``: the stored weight's
+    compressed layout (None: stored dense)."""
 
-    def __init__(self, name: str, inner, format: str | None = TWO_FOUR_FORMAT):
+    def __init__(self, name: str, inner, format: str | None = TWO_FOUR_FORMAT, vllm_config=None):
         self.name = name
         self.inner = inner
         self.format = format  # of the stored weight; None: stored dense
+        self.vllm_config = vllm_config  # whose compile-cache key records the W8A8 op's plan
 
     def create_weights(
         self,
@@ -214,7 +225,11 @@ class QuantizedChainLinearMethod(LinearMethodBase):
 
     def _process_weights(self, layer) -> None:
         if self.format is not None:
-            weight = take_dense_weight(layer)
+            stored = take_stored(layer)
+            if self._w8a8_op(layer, stored):
+                return
+            weight = dense_of(stored, layer.sparse_dense_shape, self.name)
+            del stored
             try:  # vLLM's parameter class for it, as the scheme created it
                 parameter = layer.sparse_weight_class(
                     data=weight, input_dim=1, output_dim=0, weight_loader=lambda *a: None
@@ -245,7 +260,38 @@ class QuantizedChainLinearMethod(LinearMethodBase):
             return
         self.inner.process_weights_after_loading(layer)
 
+    def _w8a8_op(self, layer, stored) -> bool:
+        """Whether the W8A8 op now serves the layer from its stored int8 values (on a CPU
+        where it runs and, in the ``auto`` mode, its plan beat vLLM's dense W8A8 layer at one
+        token); it says each shape's plan once."""
+        if stored[0].dtype != torch.int8 or stored[0].device.type != "cpu":
+            return False
+        from whisper_sparse.vllm_adapter.w8a8 import w8a8_op_layer
+
+        served = w8a8_op_layer(layer, stored)
+        rows, columns = layer.sparse_dense_shape
+        layout = LAYOUT_NAMES.get(self.format, "unstructured")
+        if served is None:
+            self._note(kernel_mode(), None)
+            logger.info_once(
+                f"{layout} W8A8 [{rows} x {columns}] layers run as vLLM's dense int8 layer "
+                f"(W8A8 CPU kernels here: {int8_kernels()}, kernel mode {kernel_mode()})"
+            )
+            return False
+        layer.w8a8_op = served
+        self._note(kernel_mode(), {"cpu_int8_tiled_from": served.plan.tiled_from})
+        density = served.density()
+        kept = "" if density is None else f" keeping {round(100 * density)} %"
+        logger.info_once(
+            f"{layout} W8A8 CPU op, [{rows} x {columns}] int8 layers{kept}: "
+            f"{served.plan.describe().replace('dense time', 'dense W8A8 time')}"
+        )
+        return True
+
     def apply(self, layer, x, bias=None):
+        w8a8 = getattr(layer, "w8a8_op", None)
+        if w8a8 is not None:
+            return w8a8.linear(x, bias)
         exact = getattr(layer, "exact_int8", None)
         if exact is not None:
             return exact(x, bias)

@@ -34,6 +34,11 @@
 //   bitmask_decompress(values, bitmask, row_offsets, in_features): the dense W (tests).
 //   whisper_sparse_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
 //       "avx512", "avx2" or "none"), and a cap below them ("auto" undoes it).
+//   whisper_sparse_cpu::int8_linear(x_q, x_scale, values, bitmask, row_offsets, w_scale, bias,
+//                                   in_features, out_dtype, tiles_from)
+//       a W8A8 layer as stored, 2:4 or unstructured (int8_op.h): the VNNI row kernels below
+//       tiles_from tokens, AMX-INT8 tiles from it where they run; int8_decompress its dense
+//       weight (tests); int8_kernels() which of them run here.
 //   whisper_sparse_cpu::brgemm_kernel(): where the brgemm tiles run ("amx": AMX tiles,
 //       "avx512": oneDNN's AVX512_BF16 micro-kernel, "none": ATen's tiles; op_tiles.cpp).
 #include <ATen/ATen.h>
@@ -43,6 +48,7 @@
 #include <algorithm>
 
 #include "op_brgemm.h"
+#include "int8_op.h"
 #include "op_gemm.h"
 #include "op_isa.h"
 #include "op_layer.h"
@@ -285,6 +291,12 @@ TORCH_LIBRARY(whisper_sparse_cpu, m) {
   m.def("isa", &whisper_sparse::isa);
   m.def("set_isa", &whisper_sparse::set_isa);
   m.def("brgemm_kernel", &whisper_sparse::brgemm_tiles_kernel);
+  m.def("int8_linear(Tensor x_q, Tensor x_scale, Tensor values, Tensor bitmask, "
+        "Tensor? row_offsets, Tensor w_scale, Tensor? bias, int in_features, "
+        "ScalarType out_dtype, int tiles_from) -> Tensor");
+  m.def("int8_decompress(Tensor values, Tensor bitmask, Tensor? row_offsets, int in_features) "
+        "-> Tensor");
+  m.def("int8_kernels", &whisper_sparse::int8_kernels);
 }
 
 TORCH_LIBRARY_IMPL(whisper_sparse_cpu, CPU, m) {
@@ -294,4 +306,6 @@ TORCH_LIBRARY_IMPL(whisper_sparse_cpu, CPU, m) {
   m.impl("bitmask_decompress", &whisper_sparse::bitmask_decompress);
   m.impl("grouped_linear", &whisper_sparse::grouped_linear);
   m.impl("grouped_decompress", &whisper_sparse::grouped_decompress);
+  m.impl("int8_linear", &whisper_sparse::int8_linear);
+  m.impl("int8_decompress", &whisper_sparse::int8_decompress);
 }

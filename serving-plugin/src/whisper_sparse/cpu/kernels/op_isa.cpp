@@ -27,6 +27,11 @@ std::atomic<int> cap{kAvx512Bf16};
 
 int active_isa() { return std::min(detected_isa(), cap.load()); }
 
+bool int8_vnni_runs() {
+  static const bool present = detected_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni");
+  return present && cap.load() >= kAvx512;
+}
+
 std::string isa() { return kIsaNames[active_isa()]; }
 
 void set_isa(const std::string& name) {

@@ -15,6 +15,10 @@ int active_isa();
 // active_isa's name: "none", "avx2", "avx512" or "avx512_bf16".
 std::string isa();
 
+// Whether the W8A8 kernels (int8_avx512_vnni.cpp) run: the CPU has AVX-512 VNNI and VBMI2, and
+// the cap is at avx512 or above.
+bool int8_vnni_runs();
+
 // Cap the kernels at `name` (one of isa()'s names the CPU runs), or "auto" to lift the cap.
 void set_isa(const std::string& name);
 

@@ -99,13 +99,13 @@ inline void store_sum(const RowsArgs& a, int64_t index, int64_t row, float sum) 
   }
 }
 
-// The stride, in bfloat16 elements, of a buffer of expanded rows of `inputs` values that a
-// micro-kernel reads side by side: an odd number of 64-byte lines (at least `inputs`), so that
+// The stride, in bytes (expanded_row_bytes) or bfloat16 elements (expanded_row_stride), of a
+// buffer of expanded rows that a micro-kernel reads side by side: an odd number of 64-byte lines
+// (at least the row's), so that
 // the rows fall in different L1 sets. At a multiple of 4 KiB they all meet in one set, which
 // holds fewer lines than the rows read side by side (JOURNAL.md).
-constexpr int64_t expanded_row_stride(int64_t inputs) {
-  return (((inputs * 2 + 63) / 64) | 1) * 32;
-}
+constexpr int64_t expanded_row_bytes(int64_t bytes) { return (((bytes + 63) / 64) | 1) * 64; }
+constexpr int64_t expanded_row_stride(int64_t inputs) { return expanded_row_bytes(inputs * 2) / 2; }
 
 // Dense rows [n_begin, n_end) of W, written to out ([rows, K] of `type`, row stride out_stride
 // elements, 0: K); an unstructured layer's rows start at row_offsets[n] (as in RowsArgs),

@@ -1,0 +1,110 @@
+// The W8A8 op over int8 layers as stored (int8_op.h): its checks, and the path by token count.
+#include "int8_op.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "int8_kernels.h"
+#include "op_amx.h"
+#include "op_isa.h"
+
+namespace whisper_sparse {
+namespace {
+
+// The layer's pointers, after checking its tensors.
+Int8Layer int8_layer(const at::Tensor& values, const at::Tensor& bitmask,
+                     const c10::optional<at::Tensor>& row_offsets, int64_t in_features) {
+  TORCH_CHECK(in_features > 0, "in_features must be positive, got ", in_features);
+  TORCH_CHECK(values.device().is_cpu() && bitmask.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.is_contiguous(),
+              "values must be a contiguous int8 tensor, got ", values.scalar_type());
+  TORCH_CHECK(bitmask.scalar_type() == at::kByte && bitmask.dim() == 2 &&
+                  bitmask.size(1) == (in_features + 7) / 8 && bitmask.is_contiguous(),
+              "bitmask must be a contiguous [out, ceil(in / 8)] uint8 tensor");
+  Int8Layer layer;
+  layer.values = values.data_ptr<int8_t>();
+  layer.bitmask = bitmask.data_ptr<uint8_t>();
+  layer.values_count = values.numel();
+  layer.rows = bitmask.size(0);
+  layer.K = in_features;
+  const bool unstructured = row_offsets.has_value() && row_offsets->defined();
+  if (unstructured) {
+    TORCH_CHECK(values.dim() == 1, "an unstructured layer's values must be 1-D");
+    TORCH_CHECK(row_offsets->scalar_type() == at::kLong && row_offsets->dim() == 1 &&
+                    row_offsets->size(0) == layer.rows && row_offsets->is_contiguous(),
+                "row_offsets must be a contiguous [out] int64 tensor");
+    layer.row_offsets = row_offsets->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(in_features % 4 == 0, "a 2:4 layer's in_features must be a multiple of 4, got ",
+                in_features);
+    TORCH_CHECK(values.dim() == 2 && values.size(0) == layer.rows &&
+                    values.size(1) == in_features / 2,
+                "a 2:4 layer's values must be [out, in / 2]");
+  }
+  return layer;
+}
+
+}  // namespace
+
+std::string int8_kernels() {
+  if (!int8_vnni_runs()) return "none";
+  return amx_int8_runs(4) ? "amx_int8" : "avx512_vnni";
+}
+
+at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& values,
+                       const at::Tensor& bitmask, const c10::optional<at::Tensor>& row_offsets,
+                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                       int64_t in_features, at::ScalarType out_dtype, int64_t tiles_from) {
+  TORCH_CHECK(int8_vnni_runs(), "no W8A8 CPU kernel runs on this CPU (it needs AVX-512 VNNI)");
+  Int8Layer layer = int8_layer(values, bitmask, row_offsets, in_features);
+  TORCH_CHECK(x_q.device().is_cpu() && x_q.scalar_type() == at::kChar && x_q.dim() >= 1 &&
+                  x_q.size(-1) == in_features,
+              "x_q must be an int8 CPU tensor [..., ", in_features, "]");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
+              "out_dtype must be bfloat16 or float32, got ", out_dtype);
+  const at::Tensor x2 = x_q.reshape({-1, in_features}).contiguous();
+  const int64_t tokens = x2.size(0);
+  const at::Tensor token_scales = x_scale.to(at::kFloat).contiguous();
+  const at::Tensor row_scales = w_scale.to(at::kFloat).contiguous();
+  TORCH_CHECK(token_scales.numel() == tokens, "x_scale must hold one scale per token (", tokens,
+              "), got ", token_scales.numel());
+  TORCH_CHECK(row_scales.numel() == layer.rows, "w_scale must hold one scale per output row (",
+              layer.rows, "), got ", row_scales.numel());
+  const at::Tensor bias32 = bias.has_value() && bias->defined()
+                                ? bias->to(at::kFloat).contiguous()
+                                : at::Tensor();
+  TORCH_CHECK(!bias32.defined() || bias32.numel() == layer.rows, "bias must be [out]");
+  layer.scale = row_scales.data_ptr<float>();
+  const Int8Tokens x{x2.data_ptr<int8_t>(), in_features, token_scales.data_ptr<float>(), tokens};
+  at::Tensor y = at::empty({tokens, layer.rows}, x_q.options().dtype(out_dtype));
+  Int8Output out;
+  out.ldy = layer.rows;
+  out.bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  if (out_dtype == at::kBFloat16) {
+    out.y_bf16 = static_cast<uint16_t*>(y.data_ptr());
+  } else {
+    out.y = y.data_ptr<float>();
+  }
+  if (tokens >= tiles_from && amx_int8_runs(in_features)) {
+    amx_int8_linear(layer, x, out);
+  } else {
+    at::parallel_for(0, layer.rows, 16, [&](int64_t first, int64_t last) {
+      int8_rows_avx512_vnni(layer, x, out, first, last);
+    });
+  }
+  auto shape = x_q.sizes().vec();
+  shape.back() = layer.rows;
+  return y.reshape(shape);
+}
+
+at::Tensor int8_decompress(const at::Tensor& values, const at::Tensor& bitmask,
+                           const c10::optional<at::Tensor>& row_offsets, int64_t in_features) {
+  TORCH_CHECK(int8_vnni_runs(), "no W8A8 CPU kernel runs on this CPU (it needs AVX-512 VNNI)");
+  const Int8Layer layer = int8_layer(values, bitmask, row_offsets, in_features);
+  at::Tensor out = at::empty({layer.rows, in_features}, values.options());
+  int8_decompress_avx512(layer, out.data_ptr<int8_t>(), in_features, 0, layer.rows);
+  return out;
+}
+
+}  // namespace whisper_sparse

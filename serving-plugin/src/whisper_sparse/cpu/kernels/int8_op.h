@@ -1,0 +1,28 @@
+// The W8A8 op (int8_op.cpp), registered by op.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace whisper_sparse {
+
+// y = bfloat16 or float32 (out_dtype) of x_scale * w_scale * (x_q . w_q^T) (+ bias) for a W8A8
+// layer as stored (int8_kernels.h): a 2:4 one (values [N, K / 2], row_offsets undefined) or an
+// unstructured one (values 1-D, row_offsets [N]). From tiles_from tokens on, AMX-INT8 tiles where
+// they run; below, the VNNI row kernels.
+at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& values,
+                       const at::Tensor& bitmask, const c10::optional<at::Tensor>& row_offsets,
+                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                       int64_t in_features, at::ScalarType out_dtype, int64_t tiles_from);
+
+// The dense int8 weight [N, in_features] of such a layer (tests).
+at::Tensor int8_decompress(const at::Tensor& values, const at::Tensor& bitmask,
+                           const c10::optional<at::Tensor>& row_offsets, int64_t in_features);
+
+// The W8A8 kernels that run here: "amx_int8" (the tiles and the VNNI rows), "avx512_vnni" or
+// "none" (below AVX-512 VNNI, or under a cap below avx512: such layers are served dense).
+std::string int8_kernels();
+
+}  // namespace whisper_sparse
