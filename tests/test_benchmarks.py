@@ -436,7 +436,7 @@ def test_cpu_op_benchmark_times_the_w8a8_op_against_vllms_w8a8_layer(tmp_path):
         python = serving_python()
     except FileNotFoundError as error:  # no serving environment: scripts/setup_serving.sh
         pytest.skip(str(error))
-    argv = ["--dtype", "int8", "--sparsity", "2:4", "0.65", "--tokens", "1", "20"]
+    argv = ["--dtype", "int8", "--shapes", "7B", "--sparsity", "2:4", "0.65", "--tokens", "1", "20"]
     argv += ["--repeats", "1", "--working-set", "1", "--out", str(tmp_path)]
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import cpu_sparse_op, cpu_int8_op; "

@@ -402,16 +402,18 @@ def test_serving_dtype_is_what_the_kernels_accept_here(checkpoint):
 
 
 @pytest.mark.parametrize("recipe", ["whisper_2of4_w8a8", "whisper_50_w8a8"])
-def test_w8a8_chains_run_the_w8a8_op_with_the_dense_w8a8_tokens(
+def test_w8a8_chains_run_the_w8a8_op_as_vllms_dense_w8a8_layers(
     checkpoint, tokenizer, eval_windows, monkeypatch, recipe
 ):
     """A compressed W8A8 chain (SmolLM2, 2:4 and 50 %) served in the ``sparse`` mode: on a CPU
     with the W8A8 kernels every compressed layer runs the W8A8 op on its stored int8 values
-    (one log line per shape names it), and gives the greedy tokens of the same checkpoint
-    served as vLLM's dense W8A8 layers (``dense`` mode), the mean log-likelihood per token
-    within 5e-3 (bfloat16; the op quantizes as vLLM's oneDNN layer does, bit for bit, but
-    vLLM's AMX kernel, which the dense side takes on an AMX CPU, rounds the activations its
-    own way)."""
+    (its plan names it), and scores a text as the same checkpoint served as vLLM's dense W8A8
+    layers (``dense`` mode), the mean log-likelihood per token within 5e-3. Where vLLM's dense
+    layer is its oneDNN kernel, which the op equals bit for bit, the greedy tokens are the same
+    too; on an AMX CPU vLLM takes its AMX kernel, which rounds the activations its own way, and
+    this pruned model's near-ties then part the greedy tokens after a few."""
+    import torch
+
     from whisper_sparse.cpu.int8_op import int8_kernels
 
     if int8_kernels() == "none":
@@ -429,17 +431,19 @@ def test_w8a8_chains_run_the_w8a8_op_with_the_dense_w8a8_tokens(
             dtype="bfloat16",
             timeout=VLLM_TIMEOUT,
         )
-    assert runs["sparse"]["completions"] == runs["dense"]["completions"]
+    plans = runs["sparse"]["layer_plans"]  # every compressed layer: the W8A8 op's plan
+    assert plans and all("cpu_int8_tiled_from" in plan for plan in plans.values()), plans
+    assert set(runs["dense"]["layer_plans"].values()) == {"dense"}
     sparse, dense = (runs[m]["scores"][0]["logprobs"] for m in ("sparse", "dense"))
     worst = max(abs(a - b) for a, b in zip(sparse, dense, strict=True))
     mean = (sum(sparse) - sum(dense)) / len(dense)
     print(
         f"\n{recipe}: log-likelihood per token, op - dense W8A8: mean {mean:.2e}, worst {worst:.2e}"
     )
-    assert abs(mean) < 5e-3  # bfloat16, and vLLM's AMX kernel's own activation rounding
-    plans = runs["sparse"]["layer_plans"]  # every compressed layer: the W8A8 op's plan
-    assert plans and all("cpu_int8_tiled_from" in plan for plan in plans.values()), plans
-    assert set(runs["dense"]["layer_plans"].values()) == {"dense"}
+    assert abs(mean) < 5e-3
+    if not torch.cpu._is_amx_tile_supported():  # vLLM's dense W8A8 layers run oneDNN
+        assert runs["sparse"]["completions"] == runs["dense"]["completions"]
+        assert worst < 1e-3
 
 
 INT8_CHECK = """
