@@ -7,13 +7,13 @@ For each sparsity, random int8 weights (-127..127, a float32 scale per row) are 
 magnitude, or unstructured keeping ``1 - sparsity`` anywhere) and stored compressed. Sides:
 vLLM's dense W8A8 layer on the same pruned weight served dense (``cpu_layers.vllm_w8a8_linear``:
 its AMX kernel where it takes the shape, else oneDNN; activation quantization included); vLLM's
-dense bf16 GEMM on the dequantized weight; and the op's paths, each with vLLM's per-token
-quantization (``onednn_scaled_int8_quant``, as the plugin would serve it): ``rows`` (the VNNI
-row kernels, up to ``--rows-up-to`` tokens) and, where AMX-INT8 runs, ``tiles``. Weight
-copies are cycled past the caches; the sides alternate (``common.alternated_rounds``) and
-every ratio is the median of the rounds' ratios (baseline time / op time: above 1 the op is
-faster). Before timing, each path's output
-is compared with vLLM's oneDNN W8A8 layer on the same weight (``exact`` in the JSON). Writes
+dense bf16 GEMM on the dequantized weight; and the op's paths, each with its own per-token
+quantization in the rounding of vLLM's kernel for the shape (``int8_quantize``, as the plugin
+serves it): ``rows`` (the VNNI row kernels, up to ``--rows-up-to`` tokens) and, where AMX-INT8
+runs, ``tiles``. Weight copies are cycled past the caches; the sides alternate
+(``common.alternated_rounds``) and every ratio is the median of the rounds' ratios (baseline
+time / op time: above 1 the op is faster). Before timing, each path's output is compared with
+vLLM's dense W8A8 layer on the same weight (``exact`` in the JSON). Writes
 ``cpu_sparse_int8-KERNELS.md`` and ``.json``.
 """
 
@@ -51,14 +51,15 @@ def op_paths():
 
 
 def op_call(weight, scales, sparsity: str):
-    """``(tiles_from, x) -> y``: vLLM's quantization, then the op on the stored layer."""
-    import vllm._custom_ops as ops
-
-    from whisper_sparse.cpu.int8_op import int8_cpu_linear
+    """``(tiles_from, x) -> y``: the op's quantization, then the op on the stored layer, both in
+    the rounding of vLLM's W8A8 kernel for the shape."""
+    from whisper_sparse.cpu.int8_op import int8_cpu_linear, int8_quantize
     from whisper_sparse.format.bitmask import compress_bitmask
     from whisper_sparse.format.two_four import compress_24
+    from whisper_sparse.vllm_adapter.w8a8 import vllm_w8a8_rounding
 
-    columns = weight.shape[1]
+    rows, columns = weight.shape
+    rounding = vllm_w8a8_rounding(rows, columns)
     if sparsity == "2:4":
         values, bitmask = compress_24(weight)
         offsets = None
@@ -67,30 +68,23 @@ def op_call(weight, scales, sparsity: str):
     row_scales = scales.reshape(-1).contiguous()
 
     def call(tiles_from, x):
-        x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+        x_q, x_s = int8_quantize(x, rounding)
         return int8_cpu_linear(
-            x_q, x_s, values, bitmask, row_scales, columns, offsets, None, x.dtype, tiles_from
+            x_q,
+            x_s,
+            values,
+            bitmask,
+            row_scales,
+            columns,
+            offsets,
+            None,
+            x.dtype,
+            tiles_from,
+            rounding,
         )
 
     stored = values.numel() + bitmask.numel() + (0 if offsets is None else offsets.numel() * 8)
     return call, stored
-
-
-def onednn_w8a8(weight, scales):
-    """vLLM's oneDNN W8A8 layer on this weight (the exact reference the op must equal)."""
-    import torch
-    import vllm._custom_ops as ops
-
-    handle = ops.create_onednn_scaled_mm(weight.t(), scales, torch.bfloat16, True, False, 32)
-
-    def run(x):
-        x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-        ops.onednn_scaled_mm(handle, x_q, out, x_s, None, None, None)
-        return out
-
-    run.kept = (weight, scales, handle)
-    return run
 
 
 def measure_shape(rows: int, columns: int, sparsity: str, args) -> list[dict]:
@@ -107,7 +101,6 @@ def measure_shape(rows: int, columns: int, sparsity: str, args) -> list[dict]:
         bf16.append(bf16_for((weight.float() * scales).to(torch.bfloat16)))
         call, stored = op_call(weight, scales, sparsity)
         ops_.append(call)
-    reference = onednn_w8a8(*pruned_int8(rows, columns, sparsity, torch.Generator().manual_seed(0)))
     results = []
     with torch.no_grad():
         for count in args.tokens:
@@ -115,7 +108,7 @@ def measure_shape(rows: int, columns: int, sparsity: str, args) -> list[dict]:
             timed = {  # the row kernels up to --rows-up-to tokens
                 p: t for p, t in paths.items() if p != "rows" or count <= args.rows_up_to
             }
-            exact = {p: torch.equal(ops_[0](t, x), reference(x)) for p, t in timed.items()}
+            exact = {p: torch.equal(ops_[0](t, x), w8a8[0](x)) for p, t in timed.items()}
             sides = {
                 "w8a8": [partial(f, x) for f in w8a8],
                 "bf16": [partial(f, x) for f in bf16],
@@ -161,7 +154,7 @@ def markdown(payload: dict) -> str:
         f"faster), the median of {payload['repeats']} alternated rounds' ratios, on the op's "
         "faster path (rows: the VNNI row kernels; tiles: AMX-INT8), activation quantization "
         "included on both sides; in brackets against vLLM's dense bf16 GEMM. `exact`: the op's "
-        "output equals vLLM's oneDNN W8A8 layer on the same weight, bit for bit.",
+        "output equals vLLM's dense W8A8 layer on the same weight, bit for bit.",
     ]
     for sparsity, shapes in payload["sparsities"].items():
         lines += [

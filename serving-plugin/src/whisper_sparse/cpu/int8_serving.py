@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 import torch
 
-from whisper_sparse.cpu.int8_op import NO_TILES, int8_cpu_linear, int8_kernels
+from whisper_sparse.cpu.int8_op import NO_TILES, int8_cpu_linear, int8_kernels, int8_quantize
 from whisper_sparse.cpu.op import PathThresholds
 from whisper_sparse.cpu.plan_timing import timed_point
 from whisper_sparse.cpu.plans import CpuPlan, cpu_plan, first_of_winning_run, time_ratio
@@ -100,16 +100,18 @@ def int8_plan(rows: int, columns: int, density: float | None, dense_for) -> CpuP
 
 class Int8ServedLayer:
     """A W8A8 layer as stored (2:4: ``values`` ``[out, in / 2]``; unstructured: 1-D with
-    ``row_offsets``), its float32 scale per output row, and the plan it runs on; ``quantize``
-    quantizes the activations per token (``int8_op.quantize_per_token``, or vLLM's own op,
-    which gives the same bytes)."""
+    ``row_offsets``), its float32 scale per output row, the plan it runs on, and the rounding
+    of the vLLM dense W8A8 kernel it equals (``int8_op.ROUNDINGS``): the activations are
+    quantized and the sums scaled as that kernel does."""
 
-    def __init__(self, values, bitmask, row_offsets, scale, in_features, plan=None, quantize=None):
+    def __init__(
+        self, values, bitmask, row_offsets, scale, in_features, plan=None, rounding="onednn"
+    ):
         self.values, self.bitmask, self.row_offsets = values, bitmask, row_offsets
         self.scale = scale.to(torch.float32).contiguous()
         self.in_features, self.out_features = in_features, bitmask.shape[0]
         self.plan = plan
-        self.quantize = quantize
+        self.rounding = rounding
 
     def density(self) -> float | None:
         """The share of the weight kept (None: a 2:4 layer)."""
@@ -118,13 +120,7 @@ class Int8ServedLayer:
         return share_kept(self.values.numel(), self.out_features, self.in_features)
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None, tiles_from: int) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.quantize is None:
-            from whisper_sparse.cpu.int8_op import quantize_per_token
-
-            x_q, x_scale = quantize_per_token(rows)
-        else:
-            x_q, x_scale = self.quantize(rows)
+        x_q, x_scale = int8_quantize(x.reshape(-1, self.in_features), self.rounding)
         y = int8_cpu_linear(
             x_q,
             x_scale,
@@ -136,6 +132,7 @@ class Int8ServedLayer:
             bias,
             x.dtype,
             tiles_from,
+            self.rounding,
         )
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -145,11 +142,12 @@ class Int8ServedLayer:
 
 
 def int8_serving_kernel(
-    stored, weight_scale, widths, in_features, dense_for, quantize=None
+    stored, weight_scale, widths, in_features, dense_for, rounding="onednn"
 ) -> Int8ServedLayer | None:
-    """The W8A8 op's layer for a loaded layer's ``(values, bitmask, row_offsets)``, or None
-    where it runs dense: no W8A8 kernel runs here, the kernel mode is ``dense``, or in
-    ``auto`` its plan lost to ``dense_for``'s layer at one token."""
+    """The W8A8 op's layer for a loaded layer's ``(values, bitmask, row_offsets)``, rounding as
+    the dense kernel ``dense_for`` stands for does (``rounding``), or None where it runs dense:
+    no W8A8 kernel runs here, the kernel mode is ``dense``, or in ``auto`` its plan lost to
+    ``dense_for``'s layer at one token."""
     values, bitmask, row_offsets = stored
     if values.dtype != torch.int8 or values.device.type != "cpu":
         return None
@@ -161,4 +159,4 @@ def int8_serving_kernel(
     if kernel_mode() == "auto" and not plan.faster_at_decode:
         return None
     scale = row_scales(weight_scale, widths, rows)
-    return Int8ServedLayer(values, bitmask, row_offsets, scale, in_features, plan, quantize)
+    return Int8ServedLayer(values, bitmask, row_offsets, scale, in_features, plan, rounding)

@@ -185,6 +185,13 @@ def _register_fake() -> None:
     def _(x_q, x_scale, values, bitmask, row_offsets, w_scale, bias, in_features, out_dtype, *_):
         return x_q.new_empty(*x_q.shape[:-1], bitmask.shape[0], dtype=out_dtype)
 
+    @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::int8_quantize")
+    def _(x, rounding):
+        rows = x.reshape(-1, x.shape[-1])
+        return rows.new_empty(rows.shape, dtype=torch.int8), rows.new_empty(
+            rows.shape[0], 1, dtype=torch.float32
+        )
+
     @torch.library.register_fake(f"{CPU_OP_NAMESPACE}::int8_decompress")
     def _(values, bitmask, row_offsets, in_features):
         return values.new_empty(bitmask.shape[0], in_features)

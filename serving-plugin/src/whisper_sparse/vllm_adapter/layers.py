@@ -283,7 +283,8 @@ class QuantizedChainLinearMethod(_NotesCompileKey, LinearMethodBase):
         density = served.density()
         kept = "" if density is None else f" keeping {round(100 * density)} %"
         logger.info_once(
-            f"{layout} W8A8 CPU op, [{rows} x {columns}] int8 layers{kept}: "
+            f"{layout} W8A8 CPU op, [{rows} x {columns}] int8 layers{kept}, rounding as vLLM's "
+            f"{served.rounding} kernel: "
             f"{served.plan.describe().replace('dense time', 'dense W8A8 time')}"
         )
         return True

@@ -1,7 +1,8 @@
 """W8A8 layers in vLLM on a CPU: vLLM's own dense W8A8 layer as its CPU kernel runs it
 (``dense_w8a8_linear``: the baseline the W8A8 op's plans are measured against, and the
-benchmarks'), its per-token activation quantization (``vllm_quantize``), and a loaded layer's
-W8A8 op (``w8a8_op_layer``, ``cpu.int8_serving``) where its plan says so.
+benchmarks'), which of its kernels a shape takes (``vllm_w8a8_rounding``: the op rounds as
+that one does), and a loaded layer's W8A8 op (``w8a8_op_layer``, ``cpu.int8_serving``) where
+its plan says so.
 
 Imports vLLM at import time: only ``vllm_adapter.layers`` and the benchmarks import it.
 """
@@ -14,18 +15,31 @@ from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
 
 from whisper_sparse.cpu.int8_serving import int8_serving_kernel
 
-__all__ = ["ONEDNN_PATH", "SGL_PATH", "dense_w8a8_linear", "vllm_quantize", "w8a8_op_layer"]
+__all__ = [
+    "ONEDNN_PATH",
+    "SGL_PATH",
+    "dense_w8a8_linear",
+    "vllm_w8a8_rounding",
+    "w8a8_op_layer",
+]
 
 SGL_PATH = "int8_scaled_mm_with_quant (AMX)"
 ONEDNN_PATH = "onednn_scaled_int8_quant + onednn_scaled_mm"
 
 
+def vllm_w8a8_rounding(rows: int, columns: int) -> str:
+    """The kernel vLLM's CPU W8A8 layer (``CPUInt8ScaledMMLinearKernel``, per-token symmetric
+    activations) takes for an int8 weight ``[rows, columns]``: ``"sgl"``, its AMX kernel,
+    where that takes the shape, else ``"onednn"`` (``cpu.int8_op.ROUNDINGS``)."""
+    return "sgl" if check_cpu_sgl_kernel(rows, columns, torch.int8) else "onednn"
+
+
 def dense_w8a8_linear(weight: torch.Tensor, scales: torch.Tensor):
     """``x -> y`` for an int8 ``weight`` ``[out, in]`` and its ``scales`` ``[out, 1]`` as
-    vLLM's CPU W8A8 layer runs it (``CPUInt8ScaledMMLinearKernel``: its AMX kernel where it
-    takes the shape, else oneDNN); the function's ``path`` names the kernel."""
+    vLLM's CPU W8A8 layer runs it (``vllm_w8a8_rounding``'s kernel); the function's ``path``
+    names the kernel."""
     rows, columns = weight.shape
-    if check_cpu_sgl_kernel(rows, columns, weight.dtype):
+    if vllm_w8a8_rounding(rows, columns) == "sgl":
         packed = torch.ops._C.convert_weight_packed(weight)
 
         def run_sgl(x):
@@ -46,12 +60,6 @@ def dense_w8a8_linear(weight: torch.Tensor, scales: torch.Tensor):
     return run
 
 
-def vllm_quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's per-token dynamic symmetric int8 quantization: ``(x_q, scale)``."""
-    x_q, scale, _ = ops.onednn_scaled_int8_quant(rows, None, None, True)
-    return x_q, scale
-
-
 def is_dynamic_w8a8(layer) -> bool:
     """A layer whose scheme quantizes the activations per token, dynamically and symmetrically
     (the W8A8 chains'), the only one the W8A8 op computes as vLLM does."""
@@ -67,7 +75,8 @@ def w8a8_op_layer(layer, stored):
     if not is_dynamic_w8a8(layer):
         return None
     widths = list(getattr(layer, "logical_widths", None) or [stored[1].shape[0]])
-    columns = layer.sparse_dense_shape[1]
+    rows, columns = layer.sparse_dense_shape
+    rounding = vllm_w8a8_rounding(rows, columns)
     return int8_serving_kernel(
-        stored, layer.weight_scale.data, widths, columns, dense_w8a8_linear, vllm_quantize
+        stored, layer.weight_scale.data, widths, columns, dense_w8a8_linear, rounding
     )

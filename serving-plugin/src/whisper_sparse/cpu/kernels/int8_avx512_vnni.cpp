@@ -149,6 +149,10 @@ WS_TARGET void int8_rows_avx512_vnni(const Int8Layer& layer, const Int8Tokens& x
   }
 }
 
+WS_TARGET void int8_quantize_avx512(const Int8Quantize& q, int64_t m_begin, int64_t m_end) {
+  quantize_int8_tokens(q, m_begin, m_end);
+}
+
 WS_TARGET void int8_decompress_avx512(const Int8Layer& layer, int8_t* out, int64_t out_stride,
                                       int64_t n_begin, int64_t n_end) {
   const int64_t mask_bytes = (layer.K + 7) / 8;

@@ -2,13 +2,16 @@
 // last row's (a 2:4 row holds K / 2, an unstructured row as many as its mask bits, from
 // row_offsets[n] on), one bit per input (lowest bit first, ceil(K / 8) bytes a row), and a
 // float32 scale per output row; activations quantized per token to int8 with a float32 scale.
-// y = bfloat16(fma(float32(x_q . w_q) * w_scale, x_scale, bias)), as vLLM's oneDNN W8A8 layer
-// rounds it: the integer sums are exact, so every kernel's result is the reference's bit for bit. The reference the tests compare with is
-// the dense int8 weight (format.decompress_24 or decompress_bitmask) times x_q in int64.
+// The integer sums are exact, then scaled as the vLLM dense W8A8 kernel the layer stands in for
+// rounds them (Int8Output::token_scale_first), so every kernel's result is the reference's bit
+// for bit. The reference the tests compare with is the dense int8 weight (format.decompress_24
+// or decompress_bitmask) times x_q in int64.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "sparse_kernels.h"
 
@@ -39,21 +42,101 @@ struct Int8Output {
   float* y = nullptr;
   int64_t ldy = 0;
   const float* bias = nullptr;  // [rows] or null
+  // false: vLLM's oneDNN layer's order, fma(sum * w_scale, x_scale, bias); true: its AMX
+  // kernel's, fma(sum * x_scale, w_scale, bias) (without a bias, the product rounded twice).
+  bool token_scale_first = false;
 };
 
-// The output of row n for token m from its exact integer sum, scaled as vLLM's oneDNN W8A8 layer
-// scales it: the row's scale first, then the token's fused with the bias (one rounding).
+// A scaled sum as Int8Output::token_scale_first orders it.
+inline float scale_int8_sum(float sum, float token_scale, float row_scale, const float* bias,
+                            bool token_scale_first) {
+  const float first = token_scale_first ? token_scale : row_scale;
+  const float second = token_scale_first ? row_scale : token_scale;
+  return bias != nullptr ? std::fma(sum * first, second, *bias) : sum * first * second;
+}
+
+// The output of row n for token m from its exact integer sum.
 inline void store_int8_sum(const Int8Output& out, const Int8Tokens& x, const Int8Layer& layer,
                            int64_t m, int64_t n, int32_t sum) {
-  const float row_scaled = float(sum) * layer.scale[n];
-  const float value = out.bias != nullptr ? std::fma(row_scaled, x.scale[m], out.bias[n])
-                                          : row_scaled * x.scale[m];
+  const float value = scale_int8_sum(float(sum), x.scale[m], layer.scale[n],
+                                     out.bias != nullptr ? out.bias + n : nullptr,
+                                     out.token_scale_first);
   if (out.y_bf16 != nullptr) {
     out.y_bf16[m * out.ldy + n] = round_to_bf16(value);
   } else {
     out.y[m * out.ldy + n] = value;
   }
 }
+
+// Tokens to quantize: rows [M, K] (row stride ldx) of bfloat16 bits or float32, and where the
+// int8 values [M, K] and the float32 scales [M] go.
+struct Int8Quantize {
+  const uint16_t* x_bf16 = nullptr;
+  const float* x = nullptr;
+  int64_t ldx = 0, K = 0;
+  bool sgl = false;  // the rounding of vLLM's AMX kernel, else its oneDNN layer's (int8_op.h)
+  int8_t* x_q = nullptr;
+  float* scale = nullptr;
+};
+
+inline float float_of_bits(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+inline float value_of(uint16_t bf16) { return float_of_bits(uint32_t(bf16) << 16); }
+inline float value_of(float value) { return value; }
+// |x| as its bits, and back: bfloat16 in 16 bits, float32 in 32.
+inline uint16_t magnitude_of(uint16_t bf16) { return bf16 & 0x7FFFu; }
+inline uint32_t magnitude_of(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits & 0x7FFFFFFFu;
+}
+inline float magnitude_value(uint16_t bits) { return value_of(bits); }
+inline float magnitude_value(uint32_t bits) { return float_of_bits(bits); }
+
+// One token quantized as the rounding's vLLM kernel does: oneDNN's `scale = amax / 127`,
+// `x * float(1.0 / scale)` (a token of zeros: scale 0, zeros); the AMX kernel's amax at least
+// 1e-7, `x * (127 / amax)`. Both clamp to int8 and round to nearest even (adding and taking
+// off 1.5 * 2^23 rounds so below 2^22). The largest magnitude is an integer max of the bits
+// (their order is the numbers'), so both loops are plain C++ the compiler vectorizes (inlined
+// into int8_quantize_avx512, for AVX-512).
+template <typename T>
+__attribute__((always_inline)) inline void quantize_int8_token(const T* x, int64_t K, bool sgl,
+                                                              int8_t* x_q, float* scale) {
+  decltype(magnitude_of(T())) largest = 0;
+  for (int64_t k = 0; k < K; ++k) largest = std::max(largest, magnitude_of(x[k]));
+  float amax = magnitude_value(largest);
+  float inverse;
+  if (sgl) {
+    amax = std::max(amax, 1e-7f);
+    *scale = amax / 127.0f;
+    inverse = 127.0f / amax;
+  } else {
+    *scale = amax / 127.0f;
+    inverse = *scale > 0.0f ? float(1.0 / double(*scale)) : 0.0f;
+  }
+  constexpr float kRound = 12582912.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = std::min(std::max(value_of(x[k]) * inverse, -128.0f), 127.0f);
+    x_q[k] = int8_t(int32_t((v + kRound) - kRound));
+  }
+}
+
+__attribute__((always_inline)) inline void quantize_int8_tokens(const Int8Quantize& q,
+                                                               int64_t m_begin, int64_t m_end) {
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    if (q.x_bf16 != nullptr) {
+      quantize_int8_token(q.x_bf16 + m * q.ldx, q.K, q.sgl, q.x_q + m * q.K, q.scale + m);
+    } else {
+      quantize_int8_token(q.x + m * q.ldx, q.K, q.sgl, q.x_q + m * q.K, q.scale + m);
+    }
+  }
+}
+
+// quantize_int8_tokens compiled for AVX-512 (int8_avx512_vnni.cpp), where the W8A8 kernels run.
+void int8_quantize_avx512(const Int8Quantize& q, int64_t m_begin, int64_t m_end);
 
 // int8_avx512_vnni.cpp (AVX-512 F/BW/VL/VBMI2 with VNNI): rows [n_begin, n_end) of y for all
 // tokens, exact in int32 (vpdpbusd's unsigned operand is the weights shifted by 128, and the

@@ -45,7 +45,48 @@ Int8Layer int8_layer(const at::Tensor& values, const at::Tensor& bitmask,
   return layer;
 }
 
+// Whether `rounding` names vLLM's AMX W8A8 kernel ("sgl") rather than its oneDNN layer ("onednn").
+bool sgl_rounding(const std::string& rounding) {
+  TORCH_CHECK(rounding == "onednn" || rounding == "sgl",
+              "rounding must be 'onednn' or 'sgl' (the vLLM dense W8A8 kernel to equal), got '",
+              rounding, "'");
+  return rounding == "sgl";
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x, const std::string& rounding) {
+  const bool sgl = sgl_rounding(rounding);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a bfloat16 or float32 CPU tensor [..., K], got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  const int64_t tokens = rows.size(0);
+  at::Tensor x_q = at::empty({tokens, K}, rows.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({tokens, 1}, rows.options().dtype(at::kFloat));
+  Int8Quantize q;
+  if (rows.scalar_type() == at::kBFloat16) {
+    q.x_bf16 = static_cast<const uint16_t*>(rows.data_ptr());
+  } else {
+    q.x = rows.data_ptr<float>();
+  }
+  q.ldx = K;
+  q.K = K;
+  q.sgl = sgl;
+  q.x_q = x_q.data_ptr<int8_t>();
+  q.scale = scale.data_ptr<float>();
+  const bool avx512 = int8_vnni_runs();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {  // one thread below 64 Ki
+    if (avx512) {
+      int8_quantize_avx512(q, first, last);
+    } else {
+      quantize_int8_tokens(q, first, last);
+    }
+  });
+  return {x_q, scale};
+}
 
 std::string int8_kernels() {
   if (!int8_vnni_runs()) return "none";
@@ -55,7 +96,9 @@ std::string int8_kernels() {
 at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& values,
                        const at::Tensor& bitmask, const c10::optional<at::Tensor>& row_offsets,
                        const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
-                       int64_t in_features, at::ScalarType out_dtype, int64_t tiles_from) {
+                       int64_t in_features, at::ScalarType out_dtype, int64_t tiles_from,
+                       const std::string& rounding) {
+  const bool sgl = sgl_rounding(rounding);
   TORCH_CHECK(int8_vnni_runs(), "no W8A8 CPU kernel runs on this CPU (it needs AVX-512 VNNI)");
   Int8Layer layer = int8_layer(values, bitmask, row_offsets, in_features);
   TORCH_CHECK(x_q.device().is_cpu() && x_q.scalar_type() == at::kChar && x_q.dim() >= 1 &&
@@ -81,6 +124,7 @@ at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const a
   Int8Output out;
   out.ldy = layer.rows;
   out.bias = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  out.token_scale_first = sgl;
   if (out_dtype == at::kBFloat16) {
     out.y_bf16 = static_cast<uint16_t*>(y.data_ptr());
   } else {

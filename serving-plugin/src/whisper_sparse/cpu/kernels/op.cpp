@@ -35,10 +35,11 @@
 //   whisper_sparse_cpu::isa() / set_isa(name): the kernels this CPU runs ("avx512_bf16",
 //       "avx512", "avx2" or "none"), and a cap below them ("auto" undoes it).
 //   whisper_sparse_cpu::int8_linear(x_q, x_scale, values, bitmask, row_offsets, w_scale, bias,
-//                                   in_features, out_dtype, tiles_from)
+//                                   in_features, out_dtype, tiles_from, rounding)
 //       a W8A8 layer as stored, 2:4 or unstructured (int8_op.h): the VNNI row kernels below
-//       tiles_from tokens, AMX-INT8 tiles from it where they run; int8_decompress its dense
-//       weight (tests); int8_kernels() which of them run here.
+//       tiles_from tokens, AMX-INT8 tiles from it where they run; int8_quantize(x, rounding)
+//       its activations; int8_decompress its dense weight (tests); int8_kernels() which of
+//       them run here.
 //   whisper_sparse_cpu::brgemm_kernel(): where the brgemm tiles run ("amx": AMX tiles,
 //       "avx512": oneDNN's AVX512_BF16 micro-kernel, "none": ATen's tiles; op_tiles.cpp).
 #include <ATen/ATen.h>
@@ -293,7 +294,8 @@ TORCH_LIBRARY(whisper_sparse_cpu, m) {
   m.def("brgemm_kernel", &whisper_sparse::brgemm_tiles_kernel);
   m.def("int8_linear(Tensor x_q, Tensor x_scale, Tensor values, Tensor bitmask, "
         "Tensor? row_offsets, Tensor w_scale, Tensor? bias, int in_features, "
-        "ScalarType out_dtype, int tiles_from) -> Tensor");
+        "ScalarType out_dtype, int tiles_from, str rounding) -> Tensor");
+  m.def("int8_quantize(Tensor x, str rounding) -> (Tensor, Tensor)");
   m.def("int8_decompress(Tensor values, Tensor bitmask, Tensor? row_offsets, int in_features) "
         "-> Tensor");
   m.def("int8_kernels", &whisper_sparse::int8_kernels);
@@ -308,4 +310,5 @@ TORCH_LIBRARY_IMPL(whisper_sparse_cpu, CPU, m) {
   m.impl("grouped_decompress", &whisper_sparse::grouped_decompress);
   m.impl("int8_linear", &whisper_sparse::int8_linear);
   m.impl("int8_decompress", &whisper_sparse::int8_decompress);
+  m.impl("int8_quantize", &whisper_sparse::int8_quantize);
 }

@@ -123,16 +123,19 @@ struct Int8Blocks {
     const float* row_scales;    // the block's rows'
     const float* bias;
     int64_t rows, tokens;
+    bool token_scale_first;
     WS_TARGET __m512 operator()(int64_t r, int64_t t) const {
       if (r >= rows) return _mm512_setzero_ps();
       const __mmask16 live = tokens - t >= 16 ? __mmask16(0xFFFF)
                                               : __mmask16((1u << (tokens - t)) - 1);
       const __m512 sums = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + r * kBlockTokens + t));
-      const __m512 row_scaled = _mm512_mul_ps(sums, _mm512_set1_ps(row_scales[r]));
+      const __m512 row_scale = _mm512_set1_ps(row_scales[r]);
       const __m512 tokens_scales = _mm512_maskz_loadu_ps(live, token_scales + t);
-      return bias != nullptr
-                 ? _mm512_fmadd_ps(row_scaled, tokens_scales, _mm512_set1_ps(bias[r]))
-                 : _mm512_mul_ps(row_scaled, tokens_scales);
+      const __m512 first = token_scale_first ? tokens_scales : row_scale;
+      const __m512 second = token_scale_first ? row_scale : tokens_scales;
+      const __m512 scaled = _mm512_mul_ps(sums, first);
+      return bias != nullptr ? _mm512_fmadd_ps(scaled, second, _mm512_set1_ps(bias[r]))
+                             : _mm512_mul_ps(scaled, second);
     }
   };
 
@@ -141,7 +144,8 @@ struct Int8Blocks {
   }
   void store(const void* sums, int64_t n, int64_t rows, int64_t t0, int64_t tokens) const {
     const RowValues values{static_cast<const int32_t*>(sums), x.scale + t0, layer.scale + n,
-                           out.bias != nullptr ? out.bias + n : nullptr, rows, tokens};
+                           out.bias != nullptr ? out.bias + n : nullptr, rows, tokens,
+                           out.token_scale_first};
     const int64_t at = t0 * out.ldy + n;
     store_rows(values, rows, tokens, out.y_bf16 != nullptr ? out.y_bf16 + at : nullptr,
                out.y != nullptr ? out.y + at : nullptr, out.ldy);
