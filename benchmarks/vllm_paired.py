@@ -3,10 +3,13 @@ side and timed in turn, seconds apart.
 
     python benchmarks/vllm_paired.py --shape 7b --layers 8 --sparsity 0.5 0.65 --enforce-eager
     python benchmarks/vllm_paired.py --shape tiny --dtype float32 --rounds 2 --settle 0
+    python benchmarks/vllm_paired.py --shape 7b --sparsity 2:4 0.65 --quantize w8a8 --enforce-eager
 
 Builds the checkpoints as ``vllm_speed.py`` does (dense, and one compressed per
-``--sparsity``), starts one engine per checkpoint (``vllm_held_engine.py`` with the serving
-environment's Python, in kernel mode ``--mode``), all resident at once, and times each
+``--sparsity``; with ``--quantize w8a8``, ``w8a8_checkpoints.py``'s: those pruned and
+quantized W8A8 in one llmcompressor recipe, and dense W8A8 beside dense bf16), starts one
+engine per checkpoint (``vllm_held_engine.py`` with the serving environment's Python, in
+kernel mode ``--mode``; dense W8A8 in ``dense``), all resident at once, and times each
 workload on them in turn for ``--rounds`` rounds, ``--settle`` seconds apart (an idle
 engine's OpenMP threads stop spinning). Each round runs one of ``common.balanced_orders``
 and then that order reversed (dense, 50 %, 65 %, 65 %, 50 %, dense in the first round; 50 %,
@@ -17,10 +20,11 @@ the op level). On a shared host the memory speed moves within seconds: ``vllm_sp
 starts each engine anew, so its engines run minutes apart and may draw different phases;
 here runs of a round are seconds apart.
 In each round an engine's rate is its two runs' tokens over their seconds, and its ratio
-that rate over dense's in the same round; the report gives each engine's median rate, and
-the median, lowest and highest of its ratios over the rounds, with every round's values.
-RSS saved is as in ``vllm_speed.py`` (each engine's own process). On a GPU the engines
-share ``GPU_MEMORY`` of its memory. Writes ``--name``.md and ``--name``.json to ``--out``.
+that rate over dense's in the same round (and over dense W8A8's, where it runs); the report
+gives each engine's median rate, and the median, lowest and highest of its ratios over the
+rounds, with every round's values. RSS saved is as in ``vllm_speed.py`` (each engine's own
+process; against dense W8A8 too, where it runs). On a GPU the engines share
+``GPU_MEMORY`` of its memory. Writes ``--name``.md and ``--name``.json to ``--out``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pruned_models import LLAMA_SIZES  # noqa: E402
 from vllm_engine import Workload, check_workloads  # noqa: E402
 from vllm_paired_report import markdown, summarise  # noqa: E402
 from vllm_speed import build_checkpoints  # noqa: E402
+from w8a8_checkpoints import build_w8a8_checkpoints  # noqa: E402
 
 from whisper_sparse.heap import release_freed_heap  # noqa: E402
 from whisper_sparse.mode import KERNEL_MODES  # noqa: E402
@@ -107,7 +112,9 @@ class HeldEngine:
                 self.process.wait()
 
 
-def engine_command(python: str, checkpoint: Path, label: str, engines: int, args) -> list[str]:
+def engine_command(
+    python: str, checkpoint: Path, label: str, mode: str, engines: int, args
+) -> list[str]:
     """One engine's command; on a GPU the engines share its memory (``GPU_MEMORY`` of it)."""
     command = [
         python,
@@ -115,7 +122,7 @@ def engine_command(python: str, checkpoint: Path, label: str, engines: int, args
         "--label",
         label,
         "--mode",
-        args.mode,
+        mode,
         "--dtype",
         args.dtype,
         "--workloads",
@@ -156,9 +163,16 @@ def write_report(args, payload: dict) -> str:
     return text
 
 
+def checkpoints(root: Path, args) -> tuple[dict[str, Path], dict[str, str]]:
+    """The engines' checkpoints by label, and the kernel mode of those not in ``args.mode``."""
+    if args.quantize == "w8a8":
+        return build_w8a8_checkpoints(root, args.shape, args.layers, args.sparsity)
+    return build_checkpoints(root, args.shape, args.layers, args.dtype, args.sparsity), {}
+
+
 def run(args, python: str, payload: dict) -> None:
     with tempfile.TemporaryDirectory() as root:
-        paths = build_checkpoints(Path(root), args.shape, args.layers, args.dtype, args.sparsity)
+        paths, modes = checkpoints(Path(root), args)
         # the model the checkpoints came from is gone: its freed heap goes back to the OS
         # before the engines load (7B-shaped, 4 layers: 1.01 -> 0.53 GiB resident; with 16
         # layers this process had held 2.9 GiB beside the three engines)
@@ -169,7 +183,8 @@ def run(args, python: str, payload: dict) -> None:
             for label, path in paths.items():
                 print(f"starting the {label} engine", flush=True)
                 log = Path(root, f"{label.replace('%', 'pct').replace(':', 'of')}.log")
-                command = engine_command(python, path, label, len(paths), args)
+                mode = modes.get(label, args.mode)
+                command = engine_command(python, path, label, mode, len(paths), args)
                 engines[label] = HeldEngine(command, label, log, args.timeout)
                 payload["engines"][label] = {"loaded": engines[label].loaded}
             time_in_turn(engines, args, payload)
@@ -194,6 +209,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=["0.5", "0.65"],
         help="the compressed checkpoints: 2:4 and/or sparsities in (0, 1)",
     )
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "w8a8"],
+        help="w8a8: the compressed checkpoints pruned and quantized W8A8 by llmcompressor in "
+        "one recipe, against dense bf16 and dense W8A8 (the first of them served dense)",
+    )
     parser.add_argument("--workloads", nargs="+", default=["decode:1x64"])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds between two runs")
@@ -210,6 +232,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     check_workloads(parser, args.workloads)
     check_serving_sparsities(parser, args.sparsity)
+    if args.quantize == "w8a8" and args.dtype != "bfloat16":
+        parser.error(
+            f"--quantize w8a8 takes --dtype bfloat16 (the recipes' W8A8), not {args.dtype}"
+        )
     if args.layers < 1 or args.rounds < 1 or args.settle < 0 or args.timeout <= 0:
         parser.error(
             "--layers and --rounds must be at least 1, --settle at least 0, --timeout above 0"

@@ -14,12 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ratio_spread  # noqa: E402
 from vllm_speed_report import rss_saved  # noqa: E402
+from w8a8_checkpoints import DENSE_W8A8  # noqa: E402
+
+BASELINES = ("dense", DENSE_W8A8)  # the engines others are compared with, where they ran
 
 
 def summarise(payload: dict) -> dict:
     """``{label: {"weights", "rss_after_load", "rss_saved", "rss_saved_trimmed",
     "workloads": {name: {"tokens_per_s", "ratios", "ratio", "lowest", "highest"}}}}``:
-    ratios per round against dense's rate in the same round."""
+    ratios per round against dense's rate in the same round. Where a dense W8A8 engine ran,
+    each compressed engine also has ``against_w8a8`` (its RSS saved) and each of its cells
+    ``against_w8a8`` (its ratios) against that engine."""
     loaded = {label: entry["loaded"] for label, entry in payload["engines"].items()}
     dense = loaded.get("dense", {})
     results = {}
@@ -30,15 +35,22 @@ def summarise(payload: dict) -> dict:
             **rss_saved(dense, result),
             "workloads": {},
         }
+        if DENSE_W8A8 in loaded and label not in BASELINES:
+            results[label]["against_w8a8"] = rss_saved(loaded[DENSE_W8A8], result)
     for workload, runs in payload["runs"].items():
         for label, rates in runs.items():
             if not rates:
                 continue
-            dense_rates = runs.get("dense", [])[: len(rates)]
-            ratios = [rate / base for rate, base in zip(rates, dense_rates, strict=False)]
             cell = {"tokens_per_s": statistics.median(rates), "rounds": rates}
-            if label != "dense" and ratios:
-                cell |= {"ratios": ratios, **ratio_spread(ratios)}
+            for baseline in BASELINES:
+                base = runs.get(baseline, [])[: len(rates)]
+                if label == baseline or not base:
+                    continue
+                ratios = [
+                    rate / rate_of_base for rate, rate_of_base in zip(rates, base, strict=False)
+                ]
+                spread = {"ratios": ratios, **ratio_spread(ratios)}
+                cell |= spread if baseline == "dense" else {"against_w8a8": spread}
             results[label]["workloads"][workload] = cell
     return results
 
@@ -85,9 +97,39 @@ def markdown(payload: dict) -> str:
                 else "–"
             )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if DENSE_W8A8 in results:
+        lines += w8a8_table(workloads, results)
     for workload in workloads:
         lines += rounds_table(workload, results)
     return "\n".join(lines) + "\n"
+
+
+def w8a8_table(workloads: list[str], results: dict) -> list[str]:
+    """The compressed engines against dense W8A8: RSS saved over their dense weight bytes,
+    and per workload the median, lowest and highest of the per-round ratios."""
+    lines = [
+        "",
+        f"## Against {DENSE_W8A8}",
+        "",
+        "| engine | RSS saved | RSS saved, trimmed | "
+        + " | ".join(f"{w}: ratio (lowest–highest)" for w in workloads)
+        + " |",
+        "|---|---|---|" + "---|" * len(workloads),
+    ]
+    for label, result in results.items():
+        if "against_w8a8" not in result:
+            continue
+        saved = result["against_w8a8"]
+        cells = [number(saved["rss_saved"], "×"), number(saved["rss_saved_trimmed"], "×")]
+        for workload in workloads:
+            cell = result["workloads"].get(workload, {}).get("against_w8a8")
+            cells.append(
+                f"**{cell['ratio']:.2f}×** ({cell['lowest']:.2f}–{cell['highest']:.2f})"
+                if cell
+                else "–"
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def rounds_table(workload: str, results: dict) -> list[str]:

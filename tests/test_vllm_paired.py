@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 
@@ -181,3 +182,84 @@ def test_bad_options_are_refused_before_any_work(bad, capsys):
     with pytest.raises(SystemExit):
         vllm_paired.parse_args(bad)
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_w8a8_engines_are_compared_with_dense_bf16_and_dense_w8a8(tmp_path, monkeypatch):
+    """With ``--quantize w8a8`` dense W8A8 is the first W8A8 checkpoint served in kernel mode
+    ``dense``; each compressed engine's ratios and RSS saved are also taken against it, round
+    by round, and the report has a table of them."""
+    import vllm_paired
+
+    seconds = {"dense": 4.0, "2:4 W8A8": 1.0, "dense W8A8": 2.0}
+    memory = {"dense": loaded(4.0), "2:4 W8A8": loaded(2.0, 0.625), "dense W8A8": loaded(2.5)}
+    paths = {label: tmp_path / label.replace(" ", "-") for label in seconds}
+    paths["dense W8A8"] = paths["2:4 W8A8"]
+    modes = {}
+
+    class FakeEngine:
+        def __init__(self, command, label, log, timeout):
+            assert command[1] == str(paths[label])
+            modes[label] = command[command.index("--mode") + 1]
+            self.label, self.loaded = label, memory[label]
+
+        def ask(self, command):
+            return {"seconds": seconds[self.label]}
+
+        def close(self):
+            return {}
+
+    built = []
+    monkeypatch.setattr(vllm_paired, "HeldEngine", FakeEngine)
+    monkeypatch.setattr(
+        vllm_paired,
+        "build_w8a8_checkpoints",
+        lambda root, shape, layers, sparsities: (
+            built.append(sparsities) or (paths, {"dense W8A8": "dense"})
+        ),
+    )
+    argv = ["--sparsity", "2:4", "--quantize", "w8a8", "--rounds", "2", "--settle", "0"]
+    argv += ["--python", sys.executable, "--out", str(tmp_path), "--name", "w8a8"]
+    assert vllm_paired.main(argv) == 0
+    assert built == [["2:4"]]
+    assert modes == {"dense": "auto", "2:4 W8A8": "auto", "dense W8A8": "dense"}
+    results = json.loads((tmp_path / "w8a8.json").read_text())["results"]
+    sparse = results["2:4 W8A8"]
+    assert sparse["workloads"]["decode:1x64"]["ratio"] == 4.0  # against dense bf16
+    against = sparse["workloads"]["decode:1x64"]["against_w8a8"]
+    assert against["ratios"] == [2.0, 2.0] and against["ratio"] == 2.0
+    assert sparse["against_w8a8"]["rss_saved"] == 0.5
+    assert results["dense W8A8"]["workloads"]["decode:1x64"]["ratio"] == 2.0
+    assert "against_w8a8" not in results["dense W8A8"]
+    table = (tmp_path / "w8a8.md").read_text()
+    assert "## Against dense W8A8" in table
+    assert "| 2:4 W8A8 | 0.50× | 0.50× | **2.00×** (2.00–2.00) |" in table
+
+
+def test_the_w8a8_checkpoints_are_one_recipes_compressed_int8_layers(tmp_path):
+    """``w8a8_checkpoints``: magnitude pruning and W8A8 in one ``oneshot`` recipe, stored in
+    the 2:4 layout (2:4) and the bitmask layout (65 %), int8 values with per-row scales,
+    ``lm_head`` left bf16; dense W8A8 is the 2:4 checkpoint."""
+    from safetensors import safe_open
+    from w8a8_checkpoints import build_w8a8_checkpoints
+
+    paths, modes = build_w8a8_checkpoints(tmp_path, "tiny", 1, ["2:4", "0.65"])
+    assert list(paths) == ["dense", "2:4 W8A8", "65% W8A8", "dense W8A8"]
+    assert paths["dense W8A8"] == paths["2:4 W8A8"] and modes == {"dense W8A8": "dense"}
+    for label, layout in (("2:4 W8A8", "targets"), ("65% W8A8", "bitmask_targets")):
+        config = json.loads((paths[label] / "config.json").read_text())["quantization_config"]
+        assert len(config[layout]) == 7  # every decoder Linear of the one layer
+        with safe_open(paths[label] / "model.safetensors", "pt") as stored:
+            values = stored.get_tensor("model.layers.0.mlp.up_proj.compressed")
+            assert values.dtype == torch.int8
+            assert "model.layers.0.mlp.up_proj.weight_scale" in stored.keys()
+            assert stored.get_tensor("lm_head.weight").dtype == torch.bfloat16
+        kept = values.numel() / (256 * 128)
+        assert kept == pytest.approx(0.5 if label == "2:4 W8A8" else 0.35, abs=0.01)
+
+
+def test_w8a8_takes_bfloat16(capsys):
+    import vllm_paired
+
+    with pytest.raises(SystemExit):
+        vllm_paired.parse_args(["--quantize", "w8a8", "--dtype", "float32"])
+    assert "--quantize w8a8 takes --dtype bfloat16" in capsys.readouterr().err

@@ -95,3 +95,21 @@ def test_a_compressed_only_kernel_reads_its_dense_bytes_from_its_shape():
     plugin mark: the dense bytes come from its features and the compressed operand's dtype."""
     kernel = StandInKernel(two_four_weight(), keep_dense=False)
     assert layer_weight_bytes(kernel) == (OUT * IN * 2 * 9 // 16, OUT * IN * 2)
+
+
+class StandInW8A8Op:
+    """What the plugin attaches as ``w8a8_op`` to a compressed W8A8 layer on a CPU: the 2:4
+    layout's stored int8 values (half the weight) and its bitmask (one bit per weight)."""
+
+    def __init__(self):
+        self.values = torch.zeros(OUT, IN // 2, dtype=torch.int8)
+        self.bitmask = torch.zeros(OUT, IN // 8, dtype=torch.uint8)
+        self.row_offsets = None
+
+
+def test_a_w8a8_op_layer_holds_five_eighths_of_its_dense_int8_weight():
+    layer = torch.nn.Module()
+    setattr(layer, DENSE_BYTES_ATTRIBUTE, OUT * IN)  # int8: a byte a weight
+    layer.w8a8_op = StandInW8A8Op()
+    assert layer_weight_bytes(layer) == (OUT * IN * 5 // 8, OUT * IN)
+    assert sparse_weight_bytes(torch.nn.ModuleList([layer]))["ratio"] == 0.625

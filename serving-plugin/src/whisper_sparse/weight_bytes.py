@@ -7,11 +7,12 @@ checkpoint's ``compressed`` and ``bitmask`` tensors: 9/16 of a bfloat16 weight, 
 float32 one; an unstructured layer's op also its ``row_offsets`` (0.41x a bfloat16 weight
 at 65 %) and, where its rows are spread in memory (``cpu.row_spread``), the gaps between
 them; in the grouped layout (``cpu.grouped_layout``), its group masks and offsets instead of
-the bitmask and row offsets. ``sparse_weight_bytes`` walks a model (vLLM's, through
-``LLM.apply_model``, or one ``gpu.kernels.accelerate`` changed) and counts, per compressed
-layer, every distinct tensor storage it keeps for its weight: the ``weight`` parameter, the
-kernel's compressed operand and its dense copy (a tensor shared by two of them is counted
-once).
+the bitmask and row offsets. The W8A8 op's layers (``w8a8_op``) hold their stored int8
+values, bitmask and row offsets: 5/8 of the dense int8 weight at 2:4.
+``sparse_weight_bytes`` walks a model (vLLM's, through ``LLM.apply_model``, or one
+``gpu.kernels.accelerate`` changed) and counts, per compressed layer, every distinct tensor
+storage it keeps for its weight: the ``weight`` parameter, the kernel's compressed operand
+and its dense copy (a tensor shared by two of them is counted once).
 
 Imports only torch (and this subpackage).
 """
@@ -43,13 +44,13 @@ def _storages(tensors) -> dict[int, int]:
 def layer_weight_bytes(layer: torch.nn.Module) -> tuple[int | None, int]:
     """``(held, dense)``: the bytes ``layer`` keeps for its compressed weight and the bytes
     of that weight dense. A ``Sparse24Linear`` or ``CpuSparseLinear`` (or a layer with one
-    as ``sparse_kernel``) holds its compressed
+    as ``sparse_kernel``, or with the W8A8 op as ``w8a8_op``) holds its compressed
     tensors and, where its plan runs dense, the dense copy; any other layer holds its
     ``weight``. ``held`` is None where the weight left the layer's tensors (vLLM's CPU
     GEMMs pack it into a oneDNN handle and leave an empty ``weight``)."""
-    kernel = getattr(layer, "sparse_kernel", layer)
+    kernel = getattr(layer, "sparse_kernel", None) or getattr(layer, "w8a8_op", None) or layer
     weight = getattr(layer, "weight", None)
-    compressed = getattr(kernel, "compressed", None)
+    compressed = getattr(kernel, "compressed", getattr(kernel, "values", None))
     dense_copy = getattr(kernel, "dense", None)
     bitmask = getattr(kernel, "bitmask", None)  # the CPU op's (cuSPARSELt's is inside)
     row_offsets = getattr(kernel, "row_offsets", None)  # an unstructured layer's

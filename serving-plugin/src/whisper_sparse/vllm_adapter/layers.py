@@ -226,6 +226,8 @@ class QuantizedChainLinearMethod(_NotesCompileKey, LinearMethodBase):
     def _process_weights(self, layer) -> None:
         if self.format is not None:
             stored = take_stored(layer)
+            rows, columns = layer.sparse_dense_shape
+            setattr(layer, DENSE_BYTES_ATTRIBUTE, rows * columns * stored[0].element_size())
             if self._w8a8_op(layer, stored):
                 return
             weight = dense_of(stored, layer.sparse_dense_shape, self.name)
