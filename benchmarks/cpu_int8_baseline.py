@@ -7,9 +7,11 @@ The W8A8 side is what vLLM's CPU int8 kernel (``CPUInt8ScaledMMLinearKernel``) r
 W8A8 checkpoint (int8 weights with per-channel scales, per-token dynamic symmetric int8
 activations): on an AMX CPU ``int8_scaled_mm_with_quant`` over the packed weight (its sgl
 path), elsewhere ``onednn_scaled_int8_quant`` then ``onednn_scaled_mm`` on a oneDNN handle
-made once per weight; the activation quantization is timed with the GEMM. The bf16 side is
-vLLM's unquantized CPU GEMM (``onednn_mm``). Each side holds enough weight copies to pass the
-caches and cycles through them; the two sides run in turn, round after round
+made once per weight, and where that saturates (no VNNI) the plugin's ``ExactInt8Linear``,
+which the plugin serves there instead; the activation quantization is timed with the GEMM.
+The bf16 side is vLLM's unquantized CPU GEMM (``onednn_mm``, or its torch fallback). Each
+side holds enough weight copies to pass the caches and cycles through them; the two sides run
+in turn, round after round
 (``common.balanced_orders``), and each cell is the median of the rounds' ratios
 (bf16 time / W8A8 time: above 1, W8A8 is faster). Writes ``--name``.md and ``.json``.
 """

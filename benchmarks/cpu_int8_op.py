@@ -1,15 +1,17 @@
-"""The W8A8 CPU op (``whisper_sparse.cpu.int8_op``) against vLLM's dense W8A8 layer and its
-dense bf16 GEMM, per Llama projection and token count: ``cpu_sparse_op.py --dtype int8``.
+"""The W8A8 CPU op (``whisper_sparse.cpu.int8_op``) against the dense W8A8 layer served here
+and vLLM's dense bf16 GEMM, per Llama projection and token count: ``cpu_sparse_op.py --dtype
+int8``.
 
     .venv-serve/bin/python benchmarks/cpu_sparse_op.py --dtype int8 --sparsity 2:4 0.65
 
 For each sparsity, random int8 weights (-127..127, a float32 scale per row) are pruned (2:4 by
 magnitude, or unstructured keeping ``1 - sparsity`` anywhere) and stored compressed. Sides:
-vLLM's dense W8A8 layer on the same pruned weight served dense (``cpu_layers.vllm_w8a8_linear``:
-its AMX kernel where it takes the shape, else oneDNN; activation quantization included); vLLM's
+the dense W8A8 layer on the same pruned weight served dense (``cpu_layers.vllm_w8a8_linear``:
+vLLM's AMX kernel where it takes the shape, else its oneDNN layer, or where that saturates the
+plugin's ``ExactInt8Linear``; activation quantization included); vLLM's
 dense bf16 GEMM on the dequantized weight; and the op's paths, each with its own per-token
 quantization in the rounding of vLLM's kernel for the shape (``int8_quantize``, as the plugin
-serves it): ``rows`` (the VNNI row kernels, up to ``--rows-up-to`` tokens) and, where AMX-INT8
+serves it): ``rows`` (the row kernels, up to ``--rows-up-to`` tokens) and, where AMX-INT8
 runs, ``tiles``. Weight copies are cycled past the caches; the sides alternate
 (``common.alternated_rounds``) and every ratio is the median of the rounds' ratios (baseline
 time / op time: above 1 the op is faster). Before timing, each path's output is compared with
@@ -147,14 +149,23 @@ def ratio(baseline: list[float], side: list[float]) -> float:
 
 def markdown(payload: dict) -> str:
     tokens = payload["tokens"]
+    dense_paths = sorted(
+        {
+            r["w8a8_path"]
+            for shapes in payload["sparsities"].values()
+            for rows in shapes.values()
+            for r in rows
+        }
+    )
     lines = [
-        "# The W8A8 CPU op against vLLM's dense W8A8 layer",
+        "# The W8A8 CPU op against the dense W8A8 layer served here",
         "",
-        f"CPU: {payload['cpu']}. Each cell: vLLM's dense W8A8 time / the op's (above 1: the op is "
-        f"faster), the median of {payload['repeats']} alternated rounds' ratios, on the op's "
-        "faster path (rows: the VNNI row kernels; tiles: AMX-INT8), activation quantization "
+        f"CPU: {payload['cpu']}; W8A8 kernels: {payload['int8_kernels']}; the dense W8A8 layer: "
+        f"{', '.join(dense_paths)}. Each cell: the dense W8A8 time / the op's (above 1: the op "
+        f"is faster), the median of {payload['repeats']} alternated rounds' ratios, on the op's "
+        "faster path (rows: the row kernels; tiles: AMX-INT8), activation quantization "
         "included on both sides; in brackets against vLLM's dense bf16 GEMM. `exact`: the op's "
-        "output equals vLLM's dense W8A8 layer on the same weight, bit for bit.",
+        "output equals the dense W8A8 layer on the same weight, bit for bit.",
     ]
     for sparsity, shapes in payload["sparsities"].items():
         lines += [

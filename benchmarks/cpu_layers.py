@@ -51,16 +51,21 @@ def cpu_line(capped_from: str | None = None) -> str:
 
 def vllm_dense_linear():
     """vLLM's dense CPU GEMM for a weight, as its unquantized layers run it (a oneDNN
-    handle made once per weight, then ``onednn_mm``), or None without vLLM's CPU ops."""
+    handle made once per weight, then ``onednn_mm``; where oneDNN makes no bfloat16 matmul,
+    as on AVX2, torch's linear, vLLM's fallback), or None without vLLM's CPU ops."""
     try:
         import vllm._custom_ops as ops
     except Exception:  # no vLLM here (the pruning environment)
         return None
     if not getattr(ops, "_supports_onednn", False):
         return None
+    import torch
 
     def linear_for(weight):
-        handle = ops.create_onednn_mm(weight.t(), 32)
+        try:
+            handle = ops.create_onednn_mm(weight.t(), 32)
+        except RuntimeError:  # vLLM's dispatch_cpu_unquantized_gemm falls back alike
+            return lambda x: torch.nn.functional.linear(x, weight)
         return lambda x: ops.onednn_mm(handle, x, None)
 
     return linear_for

@@ -244,10 +244,13 @@ def dense_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def run_emulated_kernel_check(tmp_path: Path, sources: list[Path]) -> None:
+def run_emulated_kernel_check(
+    tmp_path: Path, sources: list[Path], emulated: bool = True, defines: tuple[str, ...] = ()
+) -> None:
     """Build a tests/native checker with its kernel sources against avx512_emulation.h (the
-    AVX-512 intrinsics in plain C++, lane by lane) under AddressSanitizer, run it, and assert
-    that it printed OK (each failure is a line of its output)."""
+    AVX-512 intrinsics in plain C++, lane by lane; ``emulated`` False: the CPU's own, for
+    kernels this CPU runs) under AddressSanitizer, run it, and assert that it printed OK
+    (each failure is a line of its output). ``defines``: ``-D`` arguments."""
     import subprocess
 
     from whisper_sparse.cpu import build as cpu_build
@@ -267,7 +270,8 @@ def run_emulated_kernel_check(tmp_path: Path, sources: list[Path]) -> None:
         str(SOURCE_DIR),
         "-I",
         str(native),
-        '-DWS_EMULATE_INTRINSICS="avx512_emulation.h"',
+        *(['-DWS_EMULATE_INTRINSICS="avx512_emulation.h"'] if emulated else []),
+        *(f"-D{define}" for define in defines),
         *map(str, sources),
         "-o",
         str(tmp_path / "check"),

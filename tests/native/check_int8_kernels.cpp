@@ -1,8 +1,10 @@
-// The W8A8 kernels (int8_avx512_vnni.cpp), built with avx512_emulation.h, against a scalar
-// reference: 2:4 and unstructured layers (0 % to 95 % pruned, an all-zero and a full row), inputs
-// off the kernels' 64, 1 to 9 tokens holding -128 and 127, float32 and bfloat16 outputs, with
-// and without a bias; the layers' values held in vectors of exactly their size, so that
-// AddressSanitizer sees a load past the last. Prints one line per failure and exits 1 on any;
+// The W8A8 kernels, int8_avx512_vnni.cpp built with avx512_emulation.h (or, with
+// -DWS_INT8_AVX2, int8_avx2.cpp as the CPU runs it; with -DWS_INT8_AVX_VNNI, int8_avx_vnni.cpp,
+// its vpdpbusd from avx_vnni_emulation.h or the CPU), against a scalar reference: 2:4 and
+// unstructured layers (0 % to 95 % pruned, an all-zero and a full row), inputs off the kernels'
+// 64, 32 and 16, 1 to 9 tokens holding -128 and 127, float32 and bfloat16 outputs, with and without
+// a bias; the layers' values held in vectors of exactly their size, so that AddressSanitizer
+// sees a load past the last. Prints one line per failure and exits 1 on any;
 // test_cpu_int8_op.py builds and runs it.
 #include <cstdint>
 #include <cstdio>
@@ -12,6 +14,17 @@
 #include "int8_kernels.h"
 
 using namespace whisper_sparse;
+
+#if defined(WS_INT8_AVX_VNNI)
+#define WS_INT8_ROWS int8_rows_avx_vnni
+#define WS_INT8_DECOMPRESS int8_decompress_avx2
+#elif defined(WS_INT8_AVX2)
+#define WS_INT8_ROWS int8_rows_avx2
+#define WS_INT8_DECOMPRESS int8_decompress_avx2
+#else
+#define WS_INT8_ROWS int8_rows_avx512_vnni
+#define WS_INT8_DECOMPRESS int8_decompress_avx512
+#endif
 
 namespace {
 
@@ -74,7 +87,7 @@ void check(const Layer& l, bool two_four, int64_t tokens, bool bf16, bool with_b
                  with_bias ? bias.data() : nullptr};
   Int8Output ref{bf16 ? want_bf16.data() : nullptr, bf16 ? nullptr : want.data(), l.rows,
                  with_bias ? bias.data() : nullptr};
-  int8_rows_avx512_vnni(layer, t, out, 0, l.rows);
+  WS_INT8_ROWS(layer, t, out, 0, l.rows);
   for (int64_t m = 0; m < tokens; ++m)
     for (int64_t n = 0; n < l.rows; ++n) {
       int64_t sum = 0;
@@ -90,7 +103,7 @@ void check(const Layer& l, bool two_four, int64_t tokens, bool bf16, bool with_b
   }
   const int64_t stride = expanded_row_bytes(l.columns);
   std::vector<int8_t> dense(l.rows * stride, 1);  // ones: the padding must come out zero
-  int8_decompress_avx512(layer, dense.data(), stride, 0, l.rows);
+  WS_INT8_DECOMPRESS(layer, dense.data(), stride, 0, l.rows);
   for (int64_t n = 0; n < l.rows; ++n)
     for (int64_t k = 0; k < stride; ++k) {
       const int8_t expected = k < l.columns ? l.dense[n * l.columns + k] : 0;

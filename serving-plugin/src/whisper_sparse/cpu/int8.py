@@ -9,13 +9,15 @@ SmolLM2-135M's served perplexity 9 % away from the checkpoint's arithmetic on an
 EPYC. ``onednn_int8_saturates`` measures this once per process with one GEMM whose exact
 answer is known; where it saturates, ``ExactInt8Linear`` computes
 ``s_x s_w (x_q . w_q)`` itself: vLLM's own per-token activation quantization, then a
-float32 GEMM of the integer values (exact products; sums exact below 2^24), at the cost of
-a float32 copy of the weight (4x the int8 bytes) and float32 GEMM speed.
+float32 GEMM of the integer values (exact products; sums exact below 2^24), scaled in the
+order of vLLM's oneDNN layer (``int8_op.scale_int8_sums``), at the cost of a float32 copy of
+the weight (4x the int8 bytes) and float32 GEMM speed. It is the dense W8A8 layer such a CPU
+serves, so the W8A8 op's plans there are measured against it.
 
 ``ONEDNN_MAX_CPU_ISA=AVX2`` makes oneDNN take its AVX2 path on any x86 CPU, so the same
 behaviour can be checked on an AVX-512 machine.
 
-Imports only torch and vLLM.
+Imports only torch, vLLM and this subpackage.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from whisper_sparse.cpu.int8_op import scale_int8_sums
 
 __all__ = ["ExactInt8Linear", "exact_int8_linear", "onednn_int8_saturates", "wants_exact_int8"]
 
@@ -88,7 +92,5 @@ def exact_int8_linear(x, weight_t, scale, bias=None) -> torch.Tensor:
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     x_q, x_scale, _ = ops.onednn_scaled_int8_quant(rows, None, None, True)
-    out = (x_q.to(torch.float32) @ weight_t) * x_scale.to(torch.float32) * scale
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(x.dtype).reshape(*shape[:-1], weight_t.shape[1])
+    out = scale_int8_sums(x_q.to(torch.float32) @ weight_t, x_scale, scale, bias, x.dtype)
+    return out.reshape(*shape[:-1], weight_t.shape[1])

@@ -20,9 +20,11 @@ reference of the quantization.
 
 The kernels (``kernels/int8_op.cpp``): AVX-512 VNNI row kernels (``vpexpandb`` places the kept
 values, ``vpdpbusd`` sums the products), and from ``tiles_from`` tokens AMX-INT8 tiles where
-they run (a block of int8 rows expanded once, every token multiplied through it).
-``int8_kernels`` says which run here; below AVX-512 VNNI none does, and such layers are
-served dense.
+they run (a block of int8 rows expanded once, every token multiplied through it); without
+AVX-512 VNNI, 256-bit row kernels (a table's ``pshufb`` places the kept values): AVX-VNNI's
+``vpdpbusd`` where the CPU has it, else AVX2's ``vpmaddwd`` on the products widened to int16
+(exact, where ``vpmaddubsw`` would saturate). ``int8_kernels`` says which run here; below AVX2
+none does, and such layers are served dense.
 
 Imports only torch (and this subpackage).
 """
@@ -42,9 +44,10 @@ __all__ = [
     "int8_quantize",
     "quantize_per_token",
     "reference_int8_linear",
+    "scale_int8_sums",
 ]
 
-INT8_KERNELS = ("none", "avx512_vnni", "amx_int8")
+INT8_KERNELS = ("none", "avx2", "avx_vnni", "avx512_vnni", "amx_int8")
 ROUNDINGS = ("onednn", "sgl")
 NO_TILES = 1 << 62  # tiles_from that keeps every token count on the row kernels
 
@@ -65,7 +68,8 @@ def _int8_ops():
 
 def int8_kernels() -> str:
     """The W8A8 kernels that run here (``INT8_KERNELS``): ``"amx_int8"`` (the AMX-INT8 tiles
-    and the VNNI row kernels), ``"avx512_vnni"`` (the row kernels) or ``"none"``."""
+    and the VNNI row kernels), ``"avx512_vnni"`` (the row kernels), ``"avx_vnni"`` (the
+    256-bit VNNI row kernels), ``"avx2"`` (the exact AVX2 row kernels) or ``"none"``."""
     return "none" if cpu_kernels_unavailable() else _ops().int8_kernels()
 
 
@@ -146,9 +150,22 @@ def reference_int8_linear(
     rounding: str = "onednn",
 ) -> torch.Tensor:
     """What the op computes, from the dense int8 weight: the exact integer products, then
-    scaled as ``rounding``'s kernel scales them (a fused multiply-add in float64, where the
-    product of two float32 is exact), rounded to ``out_dtype``."""
+    scaled as ``rounding``'s kernel scales them (``scale_int8_sums``)."""
     sums = (x_q.to(torch.int64) @ weight_q.to(torch.int64).t()).to(torch.float32)
+    return scale_int8_sums(sums, x_scale, w_scale, bias, out_dtype, rounding)
+
+
+def scale_int8_sums(
+    sums: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    rounding: str = "onednn",
+) -> torch.Tensor:
+    """Integer sums ``[M, N]`` (as float32) scaled in the order of ``rounding``'s kernel, a
+    bias added by a fused multiply-add (in float64, where the product of two float32 is
+    exact), rounded to ``out_dtype``."""
     rows, tokens = w_scale.reshape(1, -1).to(torch.float32), x_scale.reshape(-1, 1).float()
     first, second = (tokens, rows) if check_rounding(rounding) == "sgl" else (rows, tokens)
     scaled = sums * first

@@ -1,8 +1,8 @@
-"""W8A8 layers in vLLM on a CPU: vLLM's own dense W8A8 layer as its CPU kernel runs it
-(``dense_w8a8_linear``: the baseline the W8A8 op's plans are measured against, and the
-benchmarks'), which of its kernels a shape takes (``vllm_w8a8_rounding``: the op rounds as
-that one does), and a loaded layer's W8A8 op (``w8a8_op_layer``, ``cpu.int8_serving``) where
-its plan says so.
+"""W8A8 layers in vLLM on a CPU: the dense W8A8 layer as it is served here
+(``dense_w8a8_linear``: vLLM's own, or ``cpu.int8.ExactInt8Linear`` where vLLM's saturates;
+the baseline the W8A8 op's plans are measured against, and the benchmarks'), which of vLLM's
+kernels a shape takes (``vllm_w8a8_rounding``: the op rounds as that one does), and a loaded
+layer's W8A8 op (``w8a8_op_layer``, ``cpu.int8_serving``) where its plan says so.
 
 Imports vLLM at import time: only ``vllm_adapter.layers`` and the benchmarks import it.
 """
@@ -13,9 +13,11 @@ import torch
 import vllm._custom_ops as ops
 from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
 
+from whisper_sparse.cpu.int8 import ExactInt8Linear, onednn_int8_saturates
 from whisper_sparse.cpu.int8_serving import int8_serving_kernel
 
 __all__ = [
+    "EXACT_PATH",
     "ONEDNN_PATH",
     "SGL_PATH",
     "dense_w8a8_linear",
@@ -25,6 +27,7 @@ __all__ = [
 
 SGL_PATH = "int8_scaled_mm_with_quant (AMX)"
 ONEDNN_PATH = "onednn_scaled_int8_quant + onednn_scaled_mm"
+EXACT_PATH = "ExactInt8Linear (float32 GEMM: oneDNN's int8 GEMM saturates here)"
 
 
 def vllm_w8a8_rounding(rows: int, columns: int) -> str:
@@ -35,10 +38,19 @@ def vllm_w8a8_rounding(rows: int, columns: int) -> str:
 
 
 def dense_w8a8_linear(weight: torch.Tensor, scales: torch.Tensor):
-    """``x -> y`` for an int8 ``weight`` ``[out, in]`` and its ``scales`` ``[out, 1]`` as
-    vLLM's CPU W8A8 layer runs it (``vllm_w8a8_rounding``'s kernel); the function's ``path``
-    names the kernel."""
+    """``x -> y`` for an int8 ``weight`` ``[out, in]`` and its ``scales`` ``[out, 1]`` as a
+    dense W8A8 layer is served here: vLLM's CPU W8A8 layer (``vllm_w8a8_rounding``'s kernel),
+    or where its oneDNN GEMM saturates the plugin's ``ExactInt8Linear``; the function's
+    ``path`` names the kernel."""
     rows, columns = weight.shape
+    if onednn_int8_saturates():
+        exact = ExactInt8Linear(weight, scales, [rows])
+
+        def run_exact(x):
+            return exact(x)
+
+        run_exact.path = EXACT_PATH
+        return run_exact
     if vllm_w8a8_rounding(rows, columns) == "sgl":
         packed = torch.ops._C.convert_weight_packed(weight)
 

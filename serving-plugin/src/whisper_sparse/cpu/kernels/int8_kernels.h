@@ -135,8 +135,9 @@ __attribute__((always_inline)) inline void quantize_int8_tokens(const Int8Quanti
   }
 }
 
-// quantize_int8_tokens compiled for AVX-512 (int8_avx512_vnni.cpp), where the W8A8 kernels run.
+// quantize_int8_tokens compiled for AVX-512 (int8_avx512_vnni.cpp) and AVX2 (int8_avx2.cpp).
 void int8_quantize_avx512(const Int8Quantize& q, int64_t m_begin, int64_t m_end);
+void int8_quantize_avx2(const Int8Quantize& q, int64_t m_begin, int64_t m_end);
 
 // int8_avx512_vnni.cpp (AVX-512 F/BW/VL/VBMI2 with VNNI): rows [n_begin, n_end) of y for all
 // tokens, exact in int32 (vpdpbusd's unsigned operand is the weights shifted by 128, and the
@@ -148,5 +149,15 @@ void int8_rows_avx512_vnni(const Int8Layer& layer, const Int8Tokens& x, const In
 // from K to out_stride (AVX-512 VBMI2's vpexpandb).
 void int8_decompress_avx512(const Int8Layer& layer, int8_t* out, int64_t out_stride,
                             int64_t n_begin, int64_t n_end);
+
+// Where AVX-512 VNNI does not run, the same rows in 256-bit registers (int8_rows_256.h), exact
+// in int32: int8_avx2.cpp (AVX2: both operands widened to int16, vpmaddwd), its expansion, and
+// int8_avx_vnni.cpp (AVX-VNNI: 256-bit vpdpbusd on the shifted weights).
+void int8_rows_avx2(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
+                    int64_t n_begin, int64_t n_end);
+void int8_rows_avx_vnni(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
+                        int64_t n_begin, int64_t n_end);
+void int8_decompress_avx2(const Int8Layer& layer, int8_t* out, int64_t out_stride,
+                          int64_t n_begin, int64_t n_end);
 
 }  // namespace whisper_sparse

@@ -53,6 +53,22 @@ bool sgl_rounding(const std::string& rounding) {
   return rounding == "sgl";
 }
 
+// The W8A8 row kernels that run here: AVX-512 VNNI's, else AVX-VNNI's or AVX2's, else none.
+enum class Int8Rows { kNone, kAvx2, kAvxVnni, kVnni };
+
+Int8Rows int8_rows_here() {
+  if (int8_vnni_runs()) return Int8Rows::kVnni;
+  if (active_isa() < kAvx2) return Int8Rows::kNone;
+  static const bool avx_vnni = (__builtin_cpu_init(), __builtin_cpu_supports("avxvnni"));
+  return avx_vnni ? Int8Rows::kAvxVnni : Int8Rows::kAvx2;
+}
+
+void check_int8_rows_run() {
+  TORCH_CHECK(int8_rows_here() != Int8Rows::kNone,
+              "no W8A8 CPU kernel runs on this CPU (it needs AVX2), or the kernels are capped "
+              "below avx2");
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x, const std::string& rounding) {
@@ -76,11 +92,13 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x, const std:
   q.sgl = sgl;
   q.x_q = x_q.data_ptr<int8_t>();
   q.scale = scale.data_ptr<float>();
-  const bool avx512 = int8_vnni_runs();
+  const Int8Rows kernels = int8_rows_here();
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K, 1));
   at::parallel_for(0, tokens, grain, [&](int64_t first, int64_t last) {  // one thread below 64 Ki
-    if (avx512) {
+    if (kernels == Int8Rows::kVnni) {
       int8_quantize_avx512(q, first, last);
+    } else if (kernels != Int8Rows::kNone) {
+      int8_quantize_avx2(q, first, last);
     } else {
       quantize_int8_tokens(q, first, last);
     }
@@ -89,8 +107,12 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x, const std:
 }
 
 std::string int8_kernels() {
-  if (!int8_vnni_runs()) return "none";
-  return amx_int8_runs(4) ? "amx_int8" : "avx512_vnni";
+  switch (int8_rows_here()) {
+    case Int8Rows::kVnni: return amx_int8_runs(4) ? "amx_int8" : "avx512_vnni";
+    case Int8Rows::kAvxVnni: return "avx_vnni";
+    case Int8Rows::kAvx2: return "avx2";
+    default: return "none";
+  }
 }
 
 at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& values,
@@ -99,7 +121,7 @@ at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const a
                        int64_t in_features, at::ScalarType out_dtype, int64_t tiles_from,
                        const std::string& rounding) {
   const bool sgl = sgl_rounding(rounding);
-  TORCH_CHECK(int8_vnni_runs(), "no W8A8 CPU kernel runs on this CPU (it needs AVX-512 VNNI)");
+  check_int8_rows_run();
   Int8Layer layer = int8_layer(values, bitmask, row_offsets, in_features);
   TORCH_CHECK(x_q.device().is_cpu() && x_q.scalar_type() == at::kChar && x_q.dim() >= 1 &&
                   x_q.size(-1) == in_features,
@@ -133,8 +155,15 @@ at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const a
   if (tokens >= tiles_from && amx_int8_runs(in_features)) {
     amx_int8_linear(layer, x, out);
   } else {
+    const Int8Rows kernels = int8_rows_here();
     at::parallel_for(0, layer.rows, 16, [&](int64_t first, int64_t last) {
-      int8_rows_avx512_vnni(layer, x, out, first, last);
+      if (kernels == Int8Rows::kVnni) {
+        int8_rows_avx512_vnni(layer, x, out, first, last);
+      } else if (kernels == Int8Rows::kAvxVnni) {
+        int8_rows_avx_vnni(layer, x, out, first, last);
+      } else {
+        int8_rows_avx2(layer, x, out, first, last);
+      }
     });
   }
   auto shape = x_q.sizes().vec();
@@ -144,10 +173,14 @@ at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const a
 
 at::Tensor int8_decompress(const at::Tensor& values, const at::Tensor& bitmask,
                            const c10::optional<at::Tensor>& row_offsets, int64_t in_features) {
-  TORCH_CHECK(int8_vnni_runs(), "no W8A8 CPU kernel runs on this CPU (it needs AVX-512 VNNI)");
+  check_int8_rows_run();
   const Int8Layer layer = int8_layer(values, bitmask, row_offsets, in_features);
   at::Tensor out = at::empty({layer.rows, in_features}, values.options());
-  int8_decompress_avx512(layer, out.data_ptr<int8_t>(), in_features, 0, layer.rows);
+  if (int8_rows_here() == Int8Rows::kVnni) {
+    int8_decompress_avx512(layer, out.data_ptr<int8_t>(), in_features, 0, layer.rows);
+  } else {
+    int8_decompress_avx2(layer, out.data_ptr<int8_t>(), in_features, 0, layer.rows);
+  }
   return out;
 }
 
