@@ -482,8 +482,9 @@ def test_int8_saturation_is_detected_and_the_exact_path_is_exact(isa_cap):
 
 
 # log-probability by which a served greedy token may trail transformers' top one: a near tie
-# that bfloat16 serving of a float32 checkpoint can flip (a wrong token trails by nats)
-NEAR_TIE = 0.05
+# that bfloat16 serving of a float32 checkpoint can flip (seen: 0.08 on this fixture; a wrong
+# token trails by nats)
+NEAR_TIE = 0.25
 
 
 def assert_greedy_up_to_near_ties(model, prompt_ids: list[int], served: list[int]) -> None:
