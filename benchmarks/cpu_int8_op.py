@@ -47,9 +47,9 @@ def pruned_int8(rows: int, columns: int, sparsity: str, generator):
 
 def op_paths():
     """The op's paths here: name -> tiles_from."""
-    from whisper_sparse.cpu.int8_op import NO_TILES, int8_kernels
+    from whisper_sparse.cpu.int8_op import int8_paths
 
-    return {"rows": NO_TILES} | ({"tiles": 1} if int8_kernels() == "amx_int8" else {})
+    return int8_paths()
 
 
 def op_call(weight, scales, sparsity: str):
@@ -163,9 +163,10 @@ def markdown(payload: dict) -> str:
         f"CPU: {payload['cpu']}; W8A8 kernels: {payload['int8_kernels']}; the dense W8A8 layer: "
         f"{', '.join(dense_paths)}. Each cell: the dense W8A8 time / the op's (above 1: the op "
         f"is faster), the median of {payload['repeats']} alternated rounds' ratios, on the op's "
-        "faster path (rows: the row kernels; tiles: AMX-INT8), activation quantization "
-        "included on both sides; in brackets against vLLM's dense bf16 GEMM. `exact`: the op's "
-        "output equals the dense W8A8 layer on the same weight, bit for bit.",
+        "faster path (rows: the row kernels; tiles: AMX-INT8 or the 256-bit tiles), "
+        "activation quantization included on both sides; in brackets against vLLM's dense "
+        "bf16 GEMM. `exact`: the op's output equals the dense W8A8 layer on the same weight, "
+        "bit for bit.",
     ]
     for sparsity, shapes in payload["sparsities"].items():
         lines += [

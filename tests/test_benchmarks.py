@@ -322,6 +322,50 @@ def test_cpu_op_benchmark_by_sparsity(tmp_path, monkeypatch):
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_sparsity_plot_puts_bf16_and_int8_against_dense_bf16(tmp_path):
+    """Medians over the shapes of each run's ratio against dense bfloat16, the int8 ones from
+    two runs merged, dense W8A8 as dense bf16 time over its own, and both bytes bounds."""
+    import sparsity_plot
+
+    def bf16_row(tokens, ratio):
+        return {"tokens": tokens, "ratio": ratio, "vllm_ratio": None}
+
+    def int8_row(tokens, vs_bf16, w8a8_s):
+        seconds = {"bf16": 1.0, "w8a8": w8a8_s}
+        return {
+            "tokens": tokens,
+            "best": "tiles",
+            "vs_bf16": {"tiles": vs_bf16},
+            "seconds": seconds,
+        }
+
+    bf16 = {"cpu": "c", "dtype": "bfloat16", "sparsities": {}}
+    for key, ratios in {"2:4": (1.0, 1.2, 2.0), "0.65": (1.5, 1.6, 1.7)}.items():
+        shapes = {f"s{i}": [bf16_row(1, r), bf16_row(16, r / 2)] for i, r in enumerate(ratios)}
+        bf16["sparsities"][key] = {"shapes": shapes}
+    first = {"cpu": "c", "int8_kernels": "avx2", "sparsities": {"2:4": {}}}
+    first["sparsities"]["2:4"] = {"a": [int8_row(1, 3.0, 0.5)], "b": [int8_row(1, 2.0, 0.25)]}
+    second = {
+        "cpu": "c",
+        "int8_kernels": "avx2",
+        "sparsities": {"0.65": {"a": [int8_row(1, 4.0, 0.5)]}},
+    }
+    paths = []
+    for name, payload in {"b": bf16, "i1": first, "i2": second}.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(payload))
+    stem = tmp_path / "plot"
+    sparsity_plot.main(
+        ["--bf16", str(paths[0]), "--int8", *map(str, paths[1:]), "--out", str(stem)]
+    )
+    text = stem.with_suffix(".md").read_text()
+    assert "| 1 | 2:4 | 1.20× | 1.78× | 2.50× | 3.20× | 3.00× |" in text
+    assert "| 1 | 0.65 | 1.60× | 2.42× | 4.00× | 4.21× | 2.00× |" in text
+    assert "| 16 | 0.65 | 0.80× | 2.42× | - | 4.21× | - |" in text
+    with pytest.raises(SystemExit):
+        sparsity_plot.main(["--bf16", str(paths[1]), "--int8", str(paths[1]), "--out", str(stem)])
+
+
 def test_cpu_token_pass_times_every_layout_layer_after_layer(tmp_path, monkeypatch):
     """benchmarks/cpu_token_pass.py on a tiny two-layer model: each side's pass calls every
     layer's projections in model order, each layer with weights of its own; its ratios are

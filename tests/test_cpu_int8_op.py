@@ -1,8 +1,8 @@
 """The W8A8 CPU op (``cpu.int8_op``) against its integer reference: the dense int8 weight, an
 int64 product, the same scaling in either rounding. The sums are exact, so equality is the test
-on every kernel this CPU runs (the VNNI row kernels; the AMX-INT8 tiles on AMX machines, skipped
-elsewhere with the reason); the op's quantization against its torch reference, and both against
-vLLM's own dense W8A8 kernels where vLLM is installed."""
+on every kernel this CPU runs (the row kernels and the 256-bit tiles; the AMX-INT8 tiles on AMX
+machines, skipped elsewhere with the reason); the op's quantization against its torch
+reference, and both against vLLM's own dense W8A8 kernels where vLLM is installed."""
 
 from __future__ import annotations
 
@@ -157,6 +157,19 @@ def test_amx_int8_tiles_are_exact_against_the_integer_reference(layout):
 
 @needs_int8_kernels
 @pytest.mark.parametrize("layout", ["2:4", "unstructured"])
+def test_256_bit_int8_tiles_are_exact_against_the_integer_reference(layout):
+    """On the 256-bit kernel set this CPU runs (capped to it on AVX-512 VNNI CPUs): blocks of
+    rows (300 of them) and passes over K (4100 inputs), token counts off the tiles' three."""
+    ran = []
+    for kernels in each_int8_kernel_set():
+        if kernels in ("avx2", "avx_vnni"):
+            check_exact(layout, 1, (1, 4, 5, 50), torch.Generator().manual_seed(3))
+            ran.append(kernels)
+    assert ran, "no 256-bit W8A8 kernel set ran"
+
+
+@needs_int8_kernels
+@pytest.mark.parametrize("layout", ["2:4", "unstructured"])
 def test_int8_decompress_equals_the_stored_weight(layout):
     generator = torch.Generator().manual_seed(3)
     for kernels in each_int8_kernel_set():
@@ -264,7 +277,7 @@ from whisper_sparse.cpu.op import cpu_kernels_unavailable
 
 assert cpu_kernels_unavailable() is None, cpu_kernels_unavailable()
 from whisper_sparse.cpu.int8 import ExactInt8Linear, onednn_int8_saturates
-from whisper_sparse.cpu.int8_op import NO_TILES, int8_cpu_linear, int8_kernels, int8_quantize
+from whisper_sparse.cpu.int8_op import int8_cpu_linear, int8_kernels, int8_paths, int8_quantize
 from whisper_sparse.format.bitmask import compress_bitmask
 from whisper_sparse.format.two_four import compress_24
 from whisper_sparse.vllm_adapter.w8a8 import dense_w8a8_linear, vllm_w8a8_rounding
@@ -282,7 +295,7 @@ for dtype in (torch.bfloat16, torch.float32):  # the quantization, ties and a to
     tokens = scale.flatten() > 0
     assert torch.equal(x_q[tokens], want_q[tokens]), dtype
     assert not x_q[~tokens].any(), dtype
-paths = {"rows": NO_TILES} | ({"tiles": 1} if int8_kernels() == "amx_int8" else {})
+paths = int8_paths()
 rows, columns = 768, 1024
 weight = torch.randint(-127, 128, (rows, columns), dtype=torch.int8, generator=g)
 groups = weight.reshape(rows, -1, 4)

@@ -1,7 +1,7 @@
-// AVX-VNNI's 256-bit vpdpbusd in AVX2 instructions, lane by lane as Intel's manual defines it
-// (each int32 lane plus the four products of its unsigned bytes of b and signed bytes of c, no
-// saturation), so int8_avx_vnni.cpp runs on CPUs without AVX-VNNI; test_cpu_int8_op.py builds
-// it with -DWS_EMULATE_AVX_VNNI="avx_vnni_emulation.h".
+// AVX-VNNI's 256-bit vpdpbusd and vpdpwssd in AVX2 instructions, lane by lane as Intel's manual
+// defines them (vpdpbusd: each int32 lane plus the four products of its unsigned bytes of b and
+// signed bytes of c, no saturation), so int8_avx_vnni.cpp runs on CPUs without AVX-VNNI;
+// test_cpu_int8_op.py builds it with -DWS_EMULATE_AVX_VNNI="avx_vnni_emulation.h".
 #pragma once
 
 #include <immintrin.h>
@@ -16,4 +16,11 @@ __attribute__((target("avx2"))) inline __m256i emulated_dpbusd_avx(__m256i a, __
   // each pair at most 2 * 255 * 128 in magnitude: vpmaddwd's int32 sums are exact
   const __m256i even = _mm256_madd_epi16(b_even, c_even), odd = _mm256_madd_epi16(b_odd, c_odd);
   return _mm256_add_epi32(a, _mm256_add_epi32(even, odd));
+}
+
+// vpdpwssd: each int32 lane plus its two products of signed int16 words of b and c, wrapping;
+// vpmaddwd's one overflow (two products of -32768 * -32768) gives the same bits.
+__attribute__((target("avx2"))) inline __m256i emulated_dpwssd_avx(__m256i a, __m256i b,
+                                                                    __m256i c) {
+  return _mm256_add_epi32(a, _mm256_madd_epi16(b, c));
 }

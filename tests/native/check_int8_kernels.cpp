@@ -1,11 +1,12 @@
 // The W8A8 kernels, int8_avx512_vnni.cpp built with avx512_emulation.h (or, with
-// -DWS_INT8_AVX2, int8_avx2.cpp as the CPU runs it; with -DWS_INT8_AVX_VNNI, int8_avx_vnni.cpp,
-// its vpdpbusd from avx_vnni_emulation.h or the CPU), against a scalar reference: 2:4 and
-// unstructured layers (0 % to 95 % pruned, an all-zero and a full row), inputs off the kernels'
-// 64, 32 and 16, 1 to 9 tokens holding -128 and 127, float32 and bfloat16 outputs, with and without
-// a bias; the layers' values held in vectors of exactly their size, so that AddressSanitizer
-// sees a load past the last. Prints one line per failure and exits 1 on any;
+// -DWS_INT8_AVX2, int8_avx2.cpp's rows and tiles as the CPU runs them; with -DWS_INT8_AVX_VNNI,
+// int8_avx_vnni.cpp's, their vpdpbusd and vpdpwssd from avx_vnni_emulation.h or the CPU),
+// against a scalar reference: 2:4 and unstructured layers (0 % to 95 % pruned, an all-zero and
+// a full row), inputs off the kernels' 64, 32 and 16, 1 to 9 tokens holding -128 and 127,
+// float32 and bfloat16 outputs, with and without a bias; the layers' values held in vectors of
+// exactly their size, so that AddressSanitizer sees a load past the last. Prints one line per failure and exits 1 on any;
 // test_cpu_int8_op.py builds and runs it.
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -17,9 +18,11 @@ using namespace whisper_sparse;
 
 #if defined(WS_INT8_AVX_VNNI)
 #define WS_INT8_ROWS int8_rows_avx_vnni
+#define WS_INT8_TILES int8_tiles_avx_vnni
 #define WS_INT8_DECOMPRESS int8_decompress_avx2
 #elif defined(WS_INT8_AVX2)
 #define WS_INT8_ROWS int8_rows_avx2
+#define WS_INT8_TILES int8_tiles_avx2
 #define WS_INT8_DECOMPRESS int8_decompress_avx2
 #else
 #define WS_INT8_ROWS int8_rows_avx512_vnni
@@ -87,7 +90,6 @@ void check(const Layer& l, bool two_four, int64_t tokens, bool bf16, bool with_b
                  with_bias ? bias.data() : nullptr};
   Int8Output ref{bf16 ? want_bf16.data() : nullptr, bf16 ? nullptr : want.data(), l.rows,
                  with_bias ? bias.data() : nullptr};
-  WS_INT8_ROWS(layer, t, out, 0, l.rows);
   for (int64_t m = 0; m < tokens; ++m)
     for (int64_t n = 0; n < l.rows; ++n) {
       int64_t sum = 0;
@@ -95,12 +97,26 @@ void check(const Layer& l, bool two_four, int64_t tokens, bool bf16, bool with_b
         sum += int64_t(x[m * l.columns + k]) * l.dense[n * l.columns + k];
       store_int8_sum(ref, t, layer, m, n, int32_t(sum));
     }
-  if (bf16 ? y_bf16 != want_bf16 : y != want) {
-    std::printf("rows: %lld x %lld %s, %lld tokens, bf16 %d, bias %d\n", (long long)l.rows,
-                (long long)l.columns, two_four ? "2:4" : "unstructured", (long long)tokens,
-                int(bf16), int(with_bias));
-    ++failures;
-  }
+  const auto compare = [&](const char* path) {
+    if (bf16 ? y_bf16 != want_bf16 : y != want) {
+      std::printf("%s: %lld x %lld %s, %lld tokens, bf16 %d, bias %d\n", path, (long long)l.rows,
+                  (long long)l.columns, two_four ? "2:4" : "unstructured", (long long)tokens,
+                  int(bf16), int(with_bias));
+      ++failures;
+    }
+  };
+  WS_INT8_ROWS(layer, t, out, 0, l.rows);
+  compare("rows");
+#ifdef WS_INT8_TILES
+  const int64_t ld_x = wide_token_stride(l.columns);
+  std::vector<int16_t> wide(tokens * ld_x, 0);
+  for (int64_t m = 0; m < tokens; ++m)
+    for (int64_t k = 0; k < l.columns; ++k) wide[m * ld_x + k] = x[m * l.columns + k];
+  std::fill(y.begin(), y.end(), 0.0f);
+  std::fill(y_bf16.begin(), y_bf16.end(), uint16_t(0));
+  WS_INT8_TILES(layer, t, wide.data(), ld_x, out, 0, l.rows);
+  compare("tiles");
+#endif
   const int64_t stride = expanded_row_bytes(l.columns);
   std::vector<int8_t> dense(l.rows * stride, 1);  // ones: the padding must come out zero
   WS_INT8_DECOMPRESS(layer, dense.data(), stride, 0, l.rows);
@@ -120,7 +136,11 @@ void check(const Layer& l, bool two_four, int64_t tokens, bool bf16, bool with_b
 
 int main() {
   std::mt19937 draw(11);
-  const int64_t shapes[][2] = {{1, 4}, {5, 12}, {7, 30}, {6, 64}, {9, 100}, {4, 132}, {3, 1000}};
+  std::vector<std::array<int64_t, 2>> shapes = {{1, 4},   {5, 12},  {7, 30},  {6, 64},
+                                                {9, 100}, {4, 132}, {3, 1000}};
+#ifdef WS_INT8_TILES
+  shapes.push_back({50, 2100});  // more rows than a block of the tiles, more inputs than a pass
+#endif
   for (const auto& shape : shapes) {
     for (double sparsity : {0.0, 0.3, 0.5, 0.8, 0.95}) {
       for (bool two_four : {false, true}) {

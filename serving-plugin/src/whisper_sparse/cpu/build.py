@@ -67,6 +67,7 @@ HEADERS = (
     "int8_kernels.h",
     "int8_op.h",
     "int8_rows_256.h",
+    "int8_tiles_256.h",
     "op_amx.h",
     "op_brgemm.h",
     "op_buffers.h",

@@ -23,7 +23,9 @@ values, ``vpdpbusd`` sums the products), and from ``tiles_from`` tokens AMX-INT8
 they run (a block of int8 rows expanded once, every token multiplied through it); without
 AVX-512 VNNI, 256-bit row kernels (a table's ``pshufb`` places the kept values): AVX-VNNI's
 ``vpdpbusd`` where the CPU has it, else AVX2's ``vpmaddwd`` on the products widened to int16
-(exact, where ``vpmaddubsw`` would saturate). ``int8_kernels`` says which run here; below AVX2
+(exact, where ``vpmaddubsw`` would saturate), and from ``tiles_from`` tokens 256-bit tiles (a
+block of rows expanded once to int16, the tokens widened once, ``vpmaddwd`` or AVX-VNNI's
+``vpdpwssd``). ``int8_kernels`` says which run here, ``int8_paths`` which paths; below AVX2
 none does, and such layers are served dense.
 
 Imports only torch (and this subpackage).
@@ -41,6 +43,7 @@ __all__ = [
     "int8_cpu_linear",
     "int8_decompress_cpu",
     "int8_kernels",
+    "int8_paths",
     "int8_quantize",
     "quantize_per_token",
     "reference_int8_linear",
@@ -71,6 +74,14 @@ def int8_kernels() -> str:
     and the VNNI row kernels), ``"avx512_vnni"`` (the row kernels), ``"avx_vnni"`` (the
     256-bit VNNI row kernels), ``"avx2"`` (the exact AVX2 row kernels) or ``"none"``."""
     return "none" if cpu_kernels_unavailable() else _ops().int8_kernels()
+
+
+def int8_paths() -> dict[str, int]:
+    """The op's paths here, each with the ``tiles_from`` that takes it at every token count:
+    ``rows``, and ``tiles`` where they run (AMX-INT8, or the 256-bit tiles without AVX-512
+    VNNI)."""
+    tiles = int8_kernels() in ("avx2", "avx_vnni", "amx_int8")
+    return {"rows": NO_TILES} | ({"tiles": 1} if tiles else {})
 
 
 def check_rounding(rounding: str) -> str:

@@ -4,8 +4,8 @@ path of a plan measured per shape against the dense W8A8 layer the caller names
 (``cpu.plans``, under the int8 dtype).
 
 At each ``INT8_LADDER`` count, on a random int8 weight of the shape and layout, the op's row
-kernels, its AMX-INT8 tiles (where they run) and the dense layer are timed in turn, round
-after round (``plan_timing.timed_point``). The tiles take every count from the lowest at
+kernels, its tiles (``int8_op.int8_paths``, where they run) and the dense layer are timed in
+turn, round after round (``plan_timing.timed_point``). The tiles take every count from the lowest at
 and above which they never lost to the rows; ``faster_at_decode`` says whether the op beat
 the dense layer at one token (where it lost, the ``auto`` kernel mode serves the layer dense).
 
@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 import torch
 
-from whisper_sparse.cpu.int8_op import NO_TILES, int8_cpu_linear, int8_kernels, int8_quantize
+from whisper_sparse.cpu.int8_op import int8_cpu_linear, int8_kernels, int8_paths, int8_quantize
 from whisper_sparse.cpu.op import PathThresholds
 from whisper_sparse.cpu.plan_timing import timed_point
 from whisper_sparse.cpu.plans import CpuPlan, cpu_plan, first_of_winning_run, time_ratio
@@ -65,7 +65,7 @@ def int8_timings(rows: int, columns: int, density: float | None, dense_for) -> l
     scales = torch.rand(rows, 1, dtype=torch.float32) * 1e-3 + 1e-4
     dense = dense_for(weight, scales)
     layer = Int8ServedLayer(*stored_int8(weight, density), scales.reshape(-1), columns)
-    paths = {"rows": NO_TILES} | ({"tiles": 1} if int8_kernels() == "amx_int8" else {})
+    paths = int8_paths()
     timings = []
     with torch.no_grad():
         for tokens in INT8_LADDER:

@@ -1,11 +1,12 @@
-// W8A8 rows on AVX2 (int8_kernels.h, int8_rows_256.h), exact: no vpmaddubsw, whose pairs of
-// u8 * s8 products saturate in int16 (cpu/int8.py). Both operands are widened to int16 instead
-// and vpmaddwd sums each pair in int32 (at most 2 * 128 * 128, exact).
+// W8A8 rows and tiles on AVX2 (int8_kernels.h, int8_rows_256.h, int8_tiles_256.h), exact: no
+// vpmaddubsw, whose pairs of u8 * s8 products saturate in int16 (cpu/int8.py). Both operands are
+// widened to int16 instead and vpmaddwd sums each pair in int32 (at most 2 * 128 * 128, exact).
 #include <immintrin.h>
 
 #define WS_TARGET __attribute__((target("avx2,popcnt")))
 
 #include "int8_rows_256.h"
+#include "int8_tiles_256.h"
 
 namespace whisper_sparse {
 namespace {
@@ -29,11 +30,24 @@ struct MaddDot {
   static int32_t sum_of(int32_t sum, int32_t) { return sum; }
 };
 
+// The tiles' pairs of int16 products: vpmaddwd, then added to the sums.
+struct PairMadd {
+  WS_TARGET static __m256i madd(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+  }
+};
+
 }  // namespace
 
 WS_TARGET void int8_rows_avx2(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
                               int64_t n_begin, int64_t n_end) {
   rows_256<MaddDot>(layer, x, out, n_begin, n_end);
+}
+
+WS_TARGET void int8_tiles_avx2(const Int8Layer& layer, const Int8Tokens& x, const int16_t* wide,
+                               int64_t ld_x, const Int8Output& out, int64_t n_begin,
+                               int64_t n_end) {
+  tiles_256<PairMadd>(layer, x, wide, ld_x, out, n_begin, n_end);
 }
 
 WS_TARGET void int8_quantize_avx2(const Int8Quantize& q, int64_t m_begin, int64_t m_end) {

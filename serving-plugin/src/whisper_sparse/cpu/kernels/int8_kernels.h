@@ -160,4 +160,14 @@ void int8_rows_avx_vnni(const Int8Layer& layer, const Int8Tokens& x, const Int8O
 void int8_decompress_avx2(const Int8Layer& layer, int8_t* out, int64_t out_stride,
                           int64_t n_begin, int64_t n_end);
 
+// From a plan's tiles_from tokens, the same CPUs' tiles (int8_tiles_256.h): rows [n_begin, n_end)
+// of y for the tokens `wide` (x_q widened to int16, [M, ld_x] with ld_x = wide_token_stride(K),
+// zero from K), each block of rows expanded once and every token multiplied through it.
+void int8_tiles_avx2(const Int8Layer& layer, const Int8Tokens& x, const int16_t* wide,
+                     int64_t ld_x, const Int8Output& out, int64_t n_begin, int64_t n_end);
+void int8_tiles_avx_vnni(const Int8Layer& layer, const Int8Tokens& x, const int16_t* wide,
+                         int64_t ld_x, const Int8Output& out, int64_t n_begin, int64_t n_end);
+// The row stride of the tiles' wide tokens: K up to 32 inputs, then 16 more (off a power of two).
+inline int64_t wide_token_stride(int64_t K) { return (K + 31) / 32 * 32 + 16; }
+
 }  // namespace whisper_sparse

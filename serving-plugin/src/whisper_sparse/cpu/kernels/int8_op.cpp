@@ -63,6 +63,20 @@ Int8Rows int8_rows_here() {
   return avx_vnni ? Int8Rows::kAvxVnni : Int8Rows::kAvx2;
 }
 
+// The 256-bit tiles over every row, the tokens widened to int16 once for all of them.
+void run_tiles_256(const Int8Layer& layer, const Int8Tokens& x, const at::Tensor& x2,
+                   const Int8Output& out) {
+  const int64_t ld_x = wide_token_stride(layer.K);
+  at::Tensor wide = at::zeros({x.M, ld_x}, x2.options().dtype(at::kShort));
+  wide.narrow(1, 0, layer.K).copy_(x2);
+  const int16_t* tokens = wide.data_ptr<int16_t>();
+  const bool vnni = int8_rows_here() == Int8Rows::kAvxVnni;
+  at::parallel_for(0, layer.rows, 48, [&](int64_t first, int64_t last) {  // the tiles' blocks
+    vnni ? int8_tiles_avx_vnni(layer, x, tokens, ld_x, out, first, last)
+         : int8_tiles_avx2(layer, x, tokens, ld_x, out, first, last);
+  });
+}
+
 void check_int8_rows_run() {
   TORCH_CHECK(int8_rows_here() != Int8Rows::kNone,
               "no W8A8 CPU kernel runs on this CPU (it needs AVX2), or the kernels are capped "
@@ -152,10 +166,12 @@ at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const a
   } else {
     out.y = y.data_ptr<float>();
   }
+  const Int8Rows kernels = int8_rows_here();
   if (tokens >= tiles_from && amx_int8_runs(in_features)) {
     amx_int8_linear(layer, x, out);
+  } else if (tokens >= tiles_from && kernels != Int8Rows::kVnni) {
+    run_tiles_256(layer, x, x2, out);
   } else {
-    const Int8Rows kernels = int8_rows_here();
     at::parallel_for(0, layer.rows, 16, [&](int64_t first, int64_t last) {
       if (kernels == Int8Rows::kVnni) {
         int8_rows_avx512_vnni(layer, x, out, first, last);
