@@ -389,15 +389,23 @@ def test_the_op_is_vllms_dense_w8a8_layers_bit_for_bit():
     print(last)
 
 
-def test_int8_kernels_are_right_on_any_cpu(tmp_path):
-    """The VNNI kernels compiled with tests/native/avx512_emulation.h (vpexpandb, vpdpbusd and
-    the rest lane by lane, as Intel's manual defines them) against a scalar reference, so
-    their masks, tails and the unsigned shift are checked on CPUs without VNNI too; under
-    AddressSanitizer, so a load past a layer's values fails."""
+VNNI_SOURCES = ("int8_avx512_vnni.cpp", "int8_avx512_vnni_tiles.cpp")
+VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vbmi2", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("emulated", [True, False], ids=["emulated", "native"])
+def test_int8_kernels_are_right_on_any_cpu(tmp_path, emulated):
+    """The VNNI rows and tiles compiled with tests/native/avx512_emulation.h (vpexpandb,
+    vpermb, vpdpbusd and the rest lane by lane, as Intel's manual defines them) against a
+    scalar reference, so their masks, tails, the tiles' blocks and passes and the unsigned
+    shift are checked on CPUs without VNNI too; and built for this CPU where it has them.
+    Under AddressSanitizer, so a load past a layer's values fails."""
+    missing = VNNI_FLAGS - cpu_flag_set()
+    if not emulated and missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)}")
     native = Path(__file__).with_name("native")
-    run_emulated_kernel_check(
-        tmp_path, [native / "check_int8_kernels.cpp", SOURCE_DIR / "int8_avx512_vnni.cpp"]
-    )
+    sources = [native / "check_int8_kernels.cpp", *(SOURCE_DIR / f for f in VNNI_SOURCES)]
+    run_emulated_kernel_check(tmp_path, sources, emulated=emulated)
 
 
 AVX_256_CHECKS = {  # the 256-bit kernels' native checks: their files and -D arguments

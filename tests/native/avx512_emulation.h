@@ -435,3 +435,75 @@ inline __m512i _mm512_maskz_expandloadu_epi8(__mmask64 k, const void* p) {
     if (k >> i & 1) r.u8[i] = source[j++];
   return r;
 }
+
+// The W8A8 VNNI tiles' sums and their scaling (int8_avx512_vnni_tiles.cpp).
+inline __m512i _mm512_add_epi32(__m512i a, __m512i b) {  // wrapping
+  for (int i = 0; i < 16; ++i) a.u32[i] += b.u32[i];
+  return a;
+}
+
+inline __m512i _mm512_sub_epi32(__m512i a, __m512i b) {  // wrapping
+  for (int i = 0; i < 16; ++i) a.u32[i] -= b.u32[i];
+  return a;
+}
+
+inline __m512i _mm512_srli_epi32(__m512i a, unsigned count) {
+  for (int i = 0; i < 16; ++i) a.u32[i] = count > 31 ? 0 : a.u32[i] >> count;
+  return a;
+}
+
+inline __m512i _mm512_and_si512(__m512i a, __m512i b) {
+  for (int i = 0; i < 64; ++i) a.u8[i] &= b.u8[i];
+  return a;
+}
+
+inline __mmask16 _mm512_cmpgt_epu32_mask(__m512i a, __m512i b) {
+  __mmask16 k = 0;
+  for (int i = 0; i < 16; ++i)
+    if (a.u32[i] > b.u32[i]) k |= __mmask16(1u << i);
+  return k;
+}
+
+inline __m512i _mm512_mask_blend_epi32(__mmask16 k, __m512i a, __m512i b) {  // b where k
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) a.u32[i] = b.u32[i];
+  return a;
+}
+
+inline __m256i _mm512_cvtepi32_epi16(__m512i a) {  // truncating
+  __m256i r;
+  for (int i = 0; i < 16; ++i) r.u16[i] = uint16_t(a.u32[i]);
+  return r;
+}
+
+inline __m512 _mm512_cvtepi32_ps(__m512i a) {  // rounded to nearest even, as float(int32)
+  __m512 r;
+  for (int i = 0; i < 16; ++i) r.f[i] = float(int32_t(a.u32[i]));
+  return r;
+}
+
+inline __m512 _mm512_mul_ps(__m512 a, __m512 b) {
+  for (int i = 0; i < 16; ++i) a.f[i] = a.f[i] * b.f[i];
+  return a;
+}
+
+inline __m512 _mm512_set1_ps(float value) {
+  __m512 r;
+  for (float& f : r.f) f = value;
+  return r;
+}
+
+// The 2:4 expansion of the W8A8 kernels (int8_avx512_vnni.h): vpermb and a masked byte add.
+inline __m512i _mm512_mask_add_epi8(__m512i src, __mmask64 k, __m512i a, __m512i b) {
+  for (int i = 0; i < 64; ++i)
+    if (k >> i & 1) src.u8[i] = uint8_t(a.u8[i] + b.u8[i]);
+  return src;
+}
+
+inline __m512i _mm512_maskz_permutexvar_epi8(__mmask64 k, __m512i index, __m512i a) {
+  __m512i r{};
+  for (int i = 0; i < 64; ++i)
+    if (k >> i & 1) r.u8[i] = a.u8[index.u8[i] & 63];
+  return r;
+}
+

@@ -1,4 +1,5 @@
-// The W8A8 kernels, int8_avx512_vnni.cpp built with avx512_emulation.h (or, with
+// The W8A8 kernels, int8_avx512_vnni.cpp's rows and int8_avx512_vnni_tiles.cpp's tiles built
+// with avx512_emulation.h (or, with
 // -DWS_INT8_AVX2, int8_avx2.cpp's rows and tiles as the CPU runs them; with -DWS_INT8_AVX_VNNI,
 // int8_avx_vnni.cpp's, their vpdpbusd and vpdpwssd from avx_vnni_emulation.h or the CPU),
 // against a scalar reference: 2:4 and unstructured layers (0 % to 95 % pruned, an all-zero and
@@ -6,6 +7,7 @@
 // float32 and bfloat16 outputs, with and without a bias; the layers' values held in vectors of
 // exactly their size, so that AddressSanitizer sees a load past the last. Prints one line per failure and exits 1 on any;
 // test_cpu_int8_op.py builds and runs it.
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
@@ -26,6 +28,7 @@ using namespace whisper_sparse;
 #define WS_INT8_DECOMPRESS int8_decompress_avx2
 #else
 #define WS_INT8_ROWS int8_rows_avx512_vnni
+#define WS_INT8_BYTE_TILES int8_tiles_avx512_vnni
 #define WS_INT8_DECOMPRESS int8_decompress_avx512
 #endif
 
@@ -117,6 +120,18 @@ void check(const Layer& l, bool two_four, int64_t tokens, bool bf16, bool with_b
   WS_INT8_TILES(layer, t, wide.data(), ld_x, out, 0, l.rows);
   compare("tiles");
 #endif
+#ifdef WS_INT8_BYTE_TILES
+  const int64_t words = (l.columns + 3) / 4 * 4;  // zero to whole 4-input words and 6 tokens
+  std::vector<int8_t> padded(vnni_tile_rows(tokens) * words, 0);
+  for (int64_t m = 0; m < tokens; ++m)
+    std::copy(x.begin() + m * l.columns, x.begin() + (m + 1) * l.columns,
+              padded.begin() + m * words);
+  const Int8Tokens padded_tokens{padded.data(), words, x_scale.data(), tokens};
+  std::fill(y.begin(), y.end(), 0.0f);
+  std::fill(y_bf16.begin(), y_bf16.end(), uint16_t(0));
+  WS_INT8_BYTE_TILES(layer, padded_tokens, out, 0, l.rows);
+  compare("tiles");
+#endif
   const int64_t stride = expanded_row_bytes(l.columns);
   std::vector<int8_t> dense(l.rows * stride, 1);  // ones: the padding must come out zero
   WS_INT8_DECOMPRESS(layer, dense.data(), stride, 0, l.rows);
@@ -138,8 +153,8 @@ int main() {
   std::mt19937 draw(11);
   std::vector<std::array<int64_t, 2>> shapes = {{1, 4},   {5, 12},  {7, 30},  {6, 64},
                                                 {9, 100}, {4, 132}, {3, 1000}};
-#ifdef WS_INT8_TILES
-  shapes.push_back({50, 2100});  // more rows than a block of the tiles, more inputs than a pass
+#if defined(WS_INT8_TILES) || defined(WS_INT8_BYTE_TILES)
+  shapes.push_back({70, 2100});  // more rows than a block of the tiles, more inputs than a pass
 #endif
   for (const auto& shape : shapes) {
     for (double sparsity : {0.0, 0.3, 0.5, 0.8, 0.95}) {

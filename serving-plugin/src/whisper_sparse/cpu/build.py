@@ -50,6 +50,7 @@ KERNEL_SOURCES = (
     "int8_avx2.cpp",
     "int8_avx_vnni.cpp",
     "int8_avx512_vnni.cpp",
+    "int8_avx512_vnni_tiles.cpp",
     "int8_op.cpp",
     "op.cpp",
     "op_amx.cpp",
@@ -64,6 +65,7 @@ HEADERS = (
     "amx_tiles.h",
     "avx512_bf16_parts.h",
     "bitmask_gemm_reads.h",
+    "int8_avx512_vnni.h",
     "int8_kernels.h",
     "int8_op.h",
     "int8_rows_256.h",
@@ -75,6 +77,7 @@ HEADERS = (
     "op_isa.h",
     "op_layer.h",
     "op_tiles.h",
+    "transpose16.h",
 )
 LIBRARY = f"lib{CPU_OP_NAMESPACE}.so"
 BUILD_TIMEOUT = 600  # seconds for one source file

@@ -18,9 +18,10 @@ layer of its rounding bit for bit, as ``reference_int8_linear`` (the dense int8 
 product, the same scaling) does on every kernel; ``quantize_per_token`` is the pure-torch
 reference of the quantization.
 
-The kernels (``kernels/int8_op.cpp``): AVX-512 VNNI row kernels (``vpexpandb`` places the kept
-values, ``vpdpbusd`` sums the products), and from ``tiles_from`` tokens AMX-INT8 tiles where
-they run (a block of int8 rows expanded once, every token multiplied through it); without
+The kernels (``kernels/int8_op.cpp``): AVX-512 VNNI row kernels (``vpermb`` places a 2:4
+row's kept values, ``vpexpandb`` an unstructured row's, ``vpdpbusd`` sums the products), and
+from ``tiles_from`` tokens AMX-INT8 tiles where they run, else AVX-512 VNNI tiles (a block of
+int8 rows expanded once, every token multiplied through it); without
 AVX-512 VNNI, 256-bit row kernels (a table's ``pshufb`` places the kept values): AVX-VNNI's
 ``vpdpbusd`` where the CPU has it, else AVX2's ``vpmaddwd`` on the products widened to int16
 (exact, where ``vpmaddubsw`` would saturate), and from ``tiles_from`` tokens 256-bit tiles (a
@@ -78,9 +79,9 @@ def int8_kernels() -> str:
 
 def int8_paths() -> dict[str, int]:
     """The op's paths here, each with the ``tiles_from`` that takes it at every token count:
-    ``rows``, and ``tiles`` where they run (AMX-INT8, or the 256-bit tiles without AVX-512
-    VNNI)."""
-    tiles = int8_kernels() in ("avx2", "avx_vnni", "amx_int8")
+    ``rows``, and ``tiles`` where any kernels run (AMX-INT8's, AVX-512 VNNI's, or the 256-bit
+    ones)."""
+    tiles = int8_kernels() != "none"
     return {"rows": NO_TILES} | ({"tiles": 1} if tiles else {})
 
 

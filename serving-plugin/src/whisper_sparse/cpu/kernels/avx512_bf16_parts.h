@@ -1,14 +1,14 @@
 // Parts the AVX-512 BF16 kernel files share (avx512_bf16.cpp's rows, avx512_bf16_gemm.cpp's
 // 2:4 GEMM, avx512_bf16_bitmask_gemm.cpp's unstructured one): the expansion of 32 inputs'
-// kept values by their mask, a 16 x 16 transpose of 32-bit words, which turns 16 rows' words
-// into 16 registers of one word of every row, and the store of a GEMM block's float32 sums
-// into y. Included by those files after their WS_TARGET preamble.
+// kept values by their mask, the 16 x 16 transpose of 32-bit words (transpose16.h), and the
+// store of a GEMM block's float32 sums into y. Included by those files after their WS_TARGET preamble.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "sparse_kernels.h"
+#include "transpose16.h"
 
 namespace whisper_sparse {
 namespace {
@@ -42,30 +42,6 @@ WS_TARGET inline __m512i expand32(uint32_t mask, const uint16_t* values, int64_t
   asm("" : "+v"(zeros));  // keeps the merge: the compiler makes it a zeroing vpexpandw otherwise
 #endif
   return _mm512_mask_expand_epi16(zeros, mask, kept);
-}
-
-// v[i] (16 lanes of 32 bits) becomes column i of the 16 x 16 matrix whose rows v held.
-WS_TARGET inline void transpose16(__m512 v[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 2; ++j) {
-      const __m512d a = _mm512_castps_pd(t[4 * i + j]), b = _mm512_castps_pd(t[4 * i + j + 2]);
-      v[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-      v[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    }
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_f32x4(v[8 * i + j], v[8 * i + j + 4], 0x88);
-      t[8 * i + j + 4] = _mm512_shuffle_f32x4(v[8 * i + j], v[8 * i + j + 4], 0xDD);
-    }
-  for (int j = 0; j < 8; ++j) {
-    v[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
-    v[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
-  }
 }
 
 // y[t][n + r] = bfloat16(sums[t][r] + bias[n + r]) for the block's rows before n_end.

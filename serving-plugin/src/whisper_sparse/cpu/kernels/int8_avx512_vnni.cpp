@@ -3,52 +3,12 @@
 // sums their products with the tokens' bytes in int32, exactly. vpdpbusd multiplies unsigned
 // bytes by signed ones, so the weights go in shifted (w + 128) and each sum comes out 128 times
 // its token's sum of x_q too, taken off at the end (exact in int32).
-#include <cstring>
 #include <vector>
 
-#include "int8_kernels.h"
-
-#ifdef WS_EMULATE_INTRINSICS  // plain C++ intrinsics: the tests run this file on any CPU
-#include WS_EMULATE_INTRINSICS
-#define WS_TARGET
-#else
-#include <immintrin.h>
-#define WS_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512vnni,fma,popcnt")))
-#endif
+#include "int8_avx512_vnni.h"
 
 namespace whisper_sparse {
 namespace {
-
-constexpr int64_t kStep = 64;            // inputs per vpexpandb
-constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in each row's kept values
-
-inline __mmask64 low_bits(int64_t count) {
-  return count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
-}
-
-// The mask of `count` (at most 64) inputs of a bitmask row from input k on (k a multiple of 8).
-inline __mmask64 step_mask(const uint8_t* row, int64_t k, int64_t count) {
-  uint64_t mask = 0;
-  std::memcpy(&mask, row + k / 8, (count + 7) / 8);
-  return __mmask64(mask) & low_bits(count);
-}
-
-// Sixty-four dense weights from a row's cursor over its kept values, which it advances: a 2:4
-// row's whole step holds 32 values, loaded plainly and expanded in registers (U false); else
-// as many as the mask's bits, expand-loaded from memory (on the AMX Xeon 25 % fewer cycles
-// than a masked load then vpexpandb; for 2:4 the plain load is as fast: JOURNAL.md).
-template <bool U = true>
-WS_TARGET inline __m512i expand64(const int8_t*& values, __mmask64 mask) {
-  if constexpr (!U) {
-    const __m256i kept = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values));
-    values += kStep / 2;
-    return _mm512_maskz_expand_epi8(mask, _mm512_castsi256_si512(kept));
-  }
-  const __m512i dense = _mm512_maskz_expandloadu_epi8(mask, values);
-  values += __builtin_popcountll(mask);
-  return dense;
-}
 
 // One step of R rows and T tokens at input k: `count` inputs (kStep, or the row's tail). The
 // rows' weights are expanded, then shifted to unsigned bytes (w + 128: vpdpbusd's unsigned
@@ -102,20 +62,6 @@ WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x, const Int
       const uint32_t sum = uint32_t(_mm512_reduce_add_epi32(acc[r][t])) - off;
       store_int8_sum(out, x, layer, m + t, n + r, int32_t(sum));
     }
-}
-
-// Each token's sum of x_q (vpdpbusd of ones by the tokens' bytes).
-WS_TARGET void token_sums_of(const Int8Tokens& x, int64_t K, int32_t* sums) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t m = 0; m < x.M; ++m) {
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t k = 0; k < K; k += kStep) {
-      const int64_t count = K - k < kStep ? K - k : kStep;
-      const __m512i token = _mm512_maskz_loadu_epi8(low_bits(count), x.x_q + m * x.ldx + k);
-      acc = _mm512_dpbusd_epi32(acc, ones, token);
-    }
-    sums[m] = _mm512_reduce_add_epi32(acc);
-  }
 }
 
 // Every token of rows [n, n + R): tiles of up to four tokens pass over the rows while they are

@@ -145,6 +145,18 @@ void int8_quantize_avx2(const Int8Quantize& q, int64_t m_begin, int64_t m_end);
 void int8_rows_avx512_vnni(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
                            int64_t n_begin, int64_t n_end);
 
+// From a plan's tiles_from tokens, int8_avx512_vnni_tiles.cpp: rows [n_begin, n_end) of y for
+// every token, each block of rows expanded once into vpdpbusd's layout and every token multiplied
+// through it, kVnniTileTokens at a time. It reads x_q [vnni_tile_rows(M), ld] with ld at least
+// K rounded up to 4: zero from K and past M (vnni_token_stride(K) keeps the rows off 4 KiB).
+constexpr int64_t kVnniTileTokens = 6;
+inline int64_t vnni_tile_rows(int64_t M) {
+  return (M + kVnniTileTokens - 1) / kVnniTileTokens * kVnniTileTokens;
+}
+inline int64_t vnni_token_stride(int64_t K) { return (K + 63) / 64 * 64 + 64; }
+void int8_tiles_avx512_vnni(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
+                            int64_t n_begin, int64_t n_end);
+
 // Dense int8 rows [n_begin, n_end) of the layer into out (row stride out_stride bytes), zero
 // from K to out_stride (AVX-512 VBMI2's vpexpandb).
 void int8_decompress_avx512(const Int8Layer& layer, int8_t* out, int64_t out_stride,

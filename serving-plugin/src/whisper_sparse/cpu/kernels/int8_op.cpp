@@ -77,6 +77,19 @@ void run_tiles_256(const Int8Layer& layer, const Int8Tokens& x, const at::Tensor
   });
 }
 
+// The VNNI tiles over every row, the tokens copied once into the zero-padded rows they read.
+void run_tiles_vnni(const Int8Layer& layer, const Int8Tokens& x, const at::Tensor& x2,
+                    const Int8Output& out) {
+  at::Tensor padded = at::zeros({vnni_tile_rows(x.M), vnni_token_stride(layer.K)}, x2.options());
+  padded.narrow(0, 0, x.M).narrow(1, 0, layer.K).copy_(x2);
+  Int8Tokens tokens = x;
+  tokens.x_q = padded.data_ptr<int8_t>();
+  tokens.ldx = padded.size(1);
+  at::parallel_for(0, layer.rows, 64, [&](int64_t first, int64_t last) {  // the tiles' blocks
+    int8_tiles_avx512_vnni(layer, tokens, out, first, last);
+  });
+}
+
 void check_int8_rows_run() {
   TORCH_CHECK(int8_rows_here() != Int8Rows::kNone,
               "no W8A8 CPU kernel runs on this CPU (it needs AVX2), or the kernels are capped "
@@ -169,8 +182,9 @@ at::Tensor int8_linear(const at::Tensor& x_q, const at::Tensor& x_scale, const a
   const Int8Rows kernels = int8_rows_here();
   if (tokens >= tiles_from && amx_int8_runs(in_features)) {
     amx_int8_linear(layer, x, out);
-  } else if (tokens >= tiles_from && kernels != Int8Rows::kVnni) {
-    run_tiles_256(layer, x, x2, out);
+  } else if (tokens >= tiles_from) {
+    kernels == Int8Rows::kVnni ? run_tiles_vnni(layer, x, x2, out)
+                               : run_tiles_256(layer, x, x2, out);
   } else {
     at::parallel_for(0, layer.rows, 16, [&](int64_t first, int64_t last) {
       if (kernels == Int8Rows::kVnni) {

@@ -28,7 +28,8 @@ std::atomic<int> cap{kAvx512Bf16};
 int active_isa() { return std::min(detected_isa(), cap.load()); }
 
 bool int8_vnni_runs() {
-  static const bool present = detected_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni");
+  static const bool present = detected_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni") &&
+                              __builtin_cpu_supports("avx512vbmi");
   return present && cap.load() >= kAvx512;
 }
 
