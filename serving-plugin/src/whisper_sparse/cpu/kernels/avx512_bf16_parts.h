@@ -1,7 +1,8 @@
 // Parts the AVX-512 BF16 kernel files share (avx512_bf16.cpp's rows, avx512_bf16_gemm.cpp's
 // 2:4 GEMM, avx512_bf16_bitmask_gemm.cpp's unstructured one): the expansion of 32 inputs'
 // kept values by their mask, the 16 x 16 transpose of 32-bit words (transpose16.h), and the
-// store of a GEMM block's float32 sums into y. Included by those files after their WS_TARGET preamble.
+// store of a GEMM block's float32 sums into y. Included by those files after their WS_TARGET
+// preamble.
 #pragma once
 
 #include <algorithm>

@@ -1,7 +1,8 @@
 // The pieces of the W8A8 kernels on AVX-512 VNNI that the rows (int8_avx512_vnni.cpp) and the
 // tiles (int8_avx512_vnni_tiles.cpp) share: the target (or, for the tests, the emulated
-// intrinsics), the masks of a step of 64 inputs, the expansion of a row's kept values by
-// vpexpandb, and each token's sum of x_q (the correction of vpdpbusd's unsigned operand).
+// intrinsics), the masks of a step of 64 inputs, the expansion of a row's kept values (vpermb
+// for a 2:4 row's whole steps, else vpexpandb), and each token's sum of x_q (the correction of
+// vpdpbusd's unsigned operand).
 #pragma once
 
 #include <cstring>
@@ -20,7 +21,7 @@
 namespace whisper_sparse {
 namespace {
 
-constexpr int64_t kStep = 64;            // inputs per vpexpandb
+constexpr int64_t kStep = 64;            // inputs per expansion: a register of bytes
 constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in each row's kept values
 
 inline __mmask64 low_bits(int64_t count) {

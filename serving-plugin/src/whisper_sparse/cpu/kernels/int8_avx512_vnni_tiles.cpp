@@ -1,6 +1,6 @@
 // W8A8 tiles on AVX-512 VNNI (int8_kernels.h): from a plan's tiles_from tokens, a block of 64
 // rows is expanded once per pass over the inputs into the layout vpdpbusd multiplies without
-// horizontal sums, [16 rows][4 inputs] a register (the rows' bytes by vpexpandb, then a 16 x 16
+// horizontal sums, [16 rows][4 inputs] a register (the rows' bytes by expand64, then a 16 x 16
 // transpose of their 4-input words), and every token is multiplied through it: four registers
 // of 16 rows by six tokens, each token's 4 inputs broadcast from memory. The weights are
 // vpdpbusd's unsigned operand (w + 128, as in the rows), so each sum comes out 128 times its
@@ -34,7 +34,7 @@ WS_TARGET void expand_pass(const Int8Layer& layer, int64_t n, int64_t n_end, int
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t row = n + 16 * c + r;
         __m512i dense = _mm512_setzero_si512();
-        if (row < n_end && inputs > 0) {
+        if (row < n_end) {
           const int8_t* two_four = layer.values + layer.row_start(row) + k / 2;
           const int8_t*& values = TwoFour ? two_four : cursors[16 * c + r];
           const __mmask64 mask = step_mask(layer.bitmask + row * mask_bytes, k, inputs);
@@ -122,8 +122,8 @@ WS_TARGET void tile_products(const __m512i* packed, const int8_t* token, int64_t
 WS_TARGET inline __m256i bf16_bits(__m512 values) {
   const __m512i bits = _mm512_castps_si512(values);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+  const __m512i rounded = _mm512_srli_epi32(biased, 16);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(
       _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
@@ -179,7 +179,8 @@ WS_TARGET void tiles_of(const Int8Layer& layer, const Int8Tokens& x, const Int8O
       expand_pass<TwoFour>(layer, n, n + rows, k0, count, cursors, packed);
       const int64_t words = (count + 3) / 4;
       for (int64_t m = 0; m < x.M; m += kVnniTileTokens)
-        tile_products(packed, x.x_q + m * x.ldx + k0, x.ldx, words, sums.data() + m * kBlockRows, next);
+        tile_products(packed, x.x_q + m * x.ldx + k0, x.ldx, words, sums.data() + m * kBlockRows,
+                      next);
     }
     store_block(layer, x, out, token_sums.data(), sums.data(), n, rows);
   }
