@@ -16,8 +16,8 @@ namespace {
 // first, multiplied after).
 template <int R, int T, bool U, bool Tail>
 WS_TARGET inline void rows_step(const Int8Tokens& x, int64_t m, int64_t k, int64_t count,
-                                const int8_t* (&values)[R], const uint8_t* const (&masks)[R],
-                                __m512i (&acc)[R][T]) {
+                                const RowsAhead<R>& ahead, const int8_t* (&values)[R],
+                                const uint8_t* const (&masks)[R], __m512i (&acc)[R][T]) {
   const __m512i shift = _mm512_set1_epi8(char(0x80));
   __m512i xv[T];
   for (int t = 0; t < T; ++t) {
@@ -26,7 +26,7 @@ WS_TARGET inline void rows_step(const Int8Tokens& x, int64_t m, int64_t k, int64
   }
   __m512i w[R];
   for (int r = 0; r < R; ++r) {
-    __builtin_prefetch(values[r] + kPrefetchAhead, 0, 3);
+    ask_row_ahead(ahead, r, values[r], masks[r], k);
     uint64_t bits;
     if (Tail) {
       bits = step_mask(masks[r], k, count);
@@ -45,6 +45,7 @@ template <int R, int T, bool U>
 WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
                           const int32_t* token_sums, int64_t m, int64_t n) {
   const int64_t mask_bytes = (layer.K + 7) / 8, whole = layer.K & ~(kStep - 1);
+  const RowsAhead<R> ahead(layer, n);
   const int8_t* values[R];
   const uint8_t* masks[R];
   __m512i acc[R][T];
@@ -54,8 +55,9 @@ WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x, const Int
     for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_si512();
   }
   for (int64_t k = 0; k < whole; k += kStep)
-    rows_step<R, T, U, false>(x, m, k, kStep, values, masks, acc);
-  if (whole < layer.K) rows_step<R, T, U, true>(x, m, whole, layer.K - whole, values, masks, acc);
+    rows_step<R, T, U, false>(x, m, k, kStep, ahead, values, masks, acc);
+  if (whole < layer.K)
+    rows_step<R, T, U, true>(x, m, whole, layer.K - whole, ahead, values, masks, acc);
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {  // in uint32: the shifted sums may wrap, their difference not
       const uint32_t off = uint32_t(token_sums[m + t]) * 128u;
@@ -109,7 +111,7 @@ WS_TARGET void int8_decompress_avx512(const Int8Layer& layer, int8_t* out, int64
     int64_t k = 0;
     for (; k < layer.K; k += kStep) {
       const int64_t count = layer.K - k < kStep ? layer.K - k : kStep;
-      __builtin_prefetch(values + kPrefetchAhead, 0, 3);
+      __builtin_prefetch(values + kRowValuesAhead, 0, 3);  // past the end: the next row, read next
       const __m512i dense = expand64(values, step_mask(mask, k, count));
       _mm512_mask_storeu_epi8(row + k, low_bits(out_stride - k), dense);
     }

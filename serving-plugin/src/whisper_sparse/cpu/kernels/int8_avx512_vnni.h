@@ -22,7 +22,6 @@ namespace whisper_sparse {
 namespace {
 
 constexpr int64_t kStep = 64;            // inputs per expansion: a register of bytes
-constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in each row's kept values
 
 inline __mmask64 low_bits(int64_t count) {
   return count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;

@@ -28,6 +28,45 @@ struct Int8Layer {
   int64_t row_start(int64_t n) const { return row_offsets != nullptr ? row_offsets[n] : n * (K / 2); }
 };
 
+// Software prefetch of the row kernels, whose cursors walk blocks of R rows side by side: each
+// row asks, into L1, for its values kRowValuesAhead bytes on and its mask kRowMaskAhead bytes on
+// (once per line of the mask). Past its row's end a cursor asks in the row R rows on, which it
+// walks next, not in the next row, which another cursor is reading: with rows of a few KiB
+// (7B qkv), asking past the end fetched nothing new.
+constexpr int64_t kRowValuesAhead = 2048;
+constexpr int64_t kRowMaskAhead = 256;
+
+template <int R>
+struct RowsAhead {
+  const int8_t* ends[R];  // where each row's values end
+  int64_t jumps[R];       // from there to the values of the row R rows on
+  int64_t mask_bytes;
+
+  RowsAhead(const Int8Layer& layer, int64_t n) : mask_bytes((layer.K + 7) / 8) {
+    const auto start = [&](int64_t row) {
+      return row < layer.rows ? layer.row_start(row) : layer.values_count;
+    };
+    for (int r = 0; r < R; ++r) {
+      ends[r] = layer.values + start(n + r + 1);
+      jumps[r] = start(n + r + R) - start(n + r + 1);
+    }
+  }
+};
+
+// Row r's asks at input k, its cursor at `at` in its values and its mask row at `mask`
+// (a prefetch never faults, past the layer too).
+template <int R>
+__attribute__((always_inline)) inline void ask_row_ahead(const RowsAhead<R>& ahead, int r,
+                                                         const int8_t* at, const uint8_t* mask,
+                                                         int64_t k) {
+  const int8_t* values = at + kRowValuesAhead;
+  __builtin_prefetch(values + (values >= ahead.ends[r] ? ahead.jumps[r] : 0), 0, 3);
+  if ((k & 511) == 0) {
+    const int64_t byte = k / 8 + kRowMaskAhead, bytes = ahead.mask_bytes;
+    __builtin_prefetch(mask + byte + (byte >= bytes ? (R - 1) * bytes : 0), 0, 3);
+  }
+}
+
 // Per-token int8 activations: x_q [M, K] (row stride ldx) and scale [M].
 struct Int8Tokens {
   const int8_t* x_q = nullptr;

@@ -18,7 +18,6 @@ namespace {
 
 constexpr int64_t kExpanded = 16;         // inputs per expansion: two bitmask bytes
 constexpr int64_t kStep = 32;             // inputs per step: four bitmask bytes
-constexpr int64_t kPrefetchAhead = 1024;  // bytes ahead in each row's kept values
 constexpr uint64_t kEveryByte = 0x0101010101010101ull;
 
 struct PlaceTable {
@@ -124,8 +123,9 @@ struct StepTokens {
 // weights expanded once (Dot::weights) and multiplied by every token's, read from L1.
 template <class Dot, int R, int T, bool TwoFour, bool Tail>
 WS_TARGET inline void rows_step(const Int8Layer& layer, const typename Dot::Token* tokens,
-                                int64_t stride, int64_t k, const int8_t* (&values)[R],
-                                const uint8_t* const (&masks)[R], __m256i (&acc)[R][T]) {
+                                int64_t stride, int64_t k, const RowsAhead<R>& ahead,
+                                const int8_t* (&values)[R], const uint8_t* const (&masks)[R],
+                                __m256i (&acc)[R][T]) {
   const int8_t* end = layer.values + layer.values_count;
   for (int r = 0; r < R; ++r) {
     DenseStep dense;
@@ -136,9 +136,9 @@ WS_TARGET inline void rows_step(const Int8Layer& layer, const typename Dot::Toke
       uint32_t bits;
       std::memcpy(&bits, masks[r] + k / 8, sizeof(bits));
       dense = two_four_step(values[r] + k / 2, bits);
-      if ((k & 127) == 0) __builtin_prefetch(values[r] + k / 2 + kPrefetchAhead, 0, 3);
+      if ((k & 127) == 0) ask_row_ahead(ahead, r, values[r] + k / 2, masks[r], k);
     } else {
-      if ((k & 63) == 0) __builtin_prefetch(values[r] + kPrefetchAhead, 0, 3);
+      if ((k & 63) == 0) ask_row_ahead(ahead, r, values[r], masks[r], k);
       uint32_t bits;
       std::memcpy(&bits, masks[r] + k / 8, sizeof(bits));
       dense.low = expand16(values[r], end, bits & 0xFFFF);
@@ -156,6 +156,7 @@ WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x,
                           const StepTokens<Dot>& tokens, const Int8Output& out, int64_t m,
                           int64_t n) {
   const int64_t mask_bytes = (layer.K + 7) / 8, whole = layer.K / kStep * kStep;
+  const RowsAhead<R> ahead(layer, n);
   const int8_t* values[R];
   const uint8_t* masks[R];
   __m256i acc[R][T];
@@ -166,11 +167,12 @@ WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x,
   }
   const typename Dot::Token* rows = tokens.values.data() + m * tokens.stride;
   for (int64_t k = 0; k < whole; k += kStep)
-    rows_step<Dot, R, T, TwoFour, false>(layer, rows, tokens.stride, k, values, masks, acc);
+    rows_step<Dot, R, T, TwoFour, false>(layer, rows, tokens.stride, k, ahead, values, masks, acc);
   if (whole < layer.K) {
     if constexpr (TwoFour)
       for (int r = 0; r < R; ++r) values[r] += whole / 2;
-    rows_step<Dot, R, T, TwoFour, true>(layer, rows, tokens.stride, whole, values, masks, acc);
+    rows_step<Dot, R, T, TwoFour, true>(layer, rows, tokens.stride, whole, ahead, values, masks,
+                                        acc);
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
