@@ -61,9 +61,8 @@ struct NextBlock {
   NextBlock(const Int8Layer& layer, int64_t first, int64_t last) {
     if (first >= last) return;
     const int64_t mask_bytes = (layer.K + 7) / 8;
-    const int64_t values_end = last < layer.rows ? layer.row_start(last) : layer.values_count;
     at[0] = reinterpret_cast<const char*>(layer.values + layer.row_start(first));
-    end[0] = reinterpret_cast<const char*>(layer.values + values_end);
+    end[0] = reinterpret_cast<const char*>(layer.values + layer.values_before(last));
     at[1] = reinterpret_cast<const char*>(layer.bitmask + first * mask_bytes);
     end[1] = reinterpret_cast<const char*>(layer.bitmask + last * mask_bytes);
   }

@@ -26,6 +26,8 @@ struct Int8Layer {
   int64_t K = 0;
   const float* scale = nullptr;  // [rows]
   int64_t row_start(int64_t n) const { return row_offsets != nullptr ? row_offsets[n] : n * (K / 2); }
+  // The values of the rows before row n, any n up to rows (where they are all of them).
+  int64_t values_before(int64_t n) const { return n < rows ? row_start(n) : values_count; }
 };
 
 // Software prefetch of the row kernels, whose cursors walk blocks of R rows side by side: each
@@ -43,12 +45,9 @@ struct RowsAhead {
   int64_t mask_bytes;
 
   RowsAhead(const Int8Layer& layer, int64_t n) : mask_bytes((layer.K + 7) / 8) {
-    const auto start = [&](int64_t row) {
-      return row < layer.rows ? layer.row_start(row) : layer.values_count;
-    };
     for (int r = 0; r < R; ++r) {
-      ends[r] = layer.values + start(n + r + 1);
-      jumps[r] = start(n + r + R) - start(n + r + 1);
+      ends[r] = layer.values + layer.values_before(n + r + 1);
+      jumps[r] = layer.values_before(n + r + R) - layer.values_before(n + r + 1);
     }
   }
 };
