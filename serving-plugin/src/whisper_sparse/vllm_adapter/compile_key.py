@@ -17,7 +17,7 @@ Standard library only.
 
 from __future__ import annotations
 
-__all__ = ["COMPILE_KEY", "compilation_mode", "note_layer"]
+__all__ = ["COMPILE_KEY", "compilation_mode", "note_layer", "noted_layers"]
 
 # the entry of vLLM's ``additional_config`` that holds this plugin's factors
 COMPILE_KEY = "whisper_modifiers_sparse24"
@@ -37,6 +37,14 @@ def note_layer(vllm_config, layer: str, mode: str, plan: dict | None) -> None:
     entry = extra.setdefault(COMPILE_KEY, {"mode": mode, "layers": {}})
     entry["mode"] = mode
     entry["layers"][layer] = "dense" if plan is None else plan
+
+
+def noted_layers(worker) -> dict:
+    """Each layer's kernel as ``note_layer`` recorded it in a vLLM ``worker``'s config (layer
+    -> ``"dense"`` or its plan): what ``LLM.collective_rpc`` asks of each rank, whose layers
+    load in its own process."""
+    extra = worker.vllm_config.additional_config
+    return extra.get(COMPILE_KEY, {}).get("layers", {}) if isinstance(extra, dict) else {}
 
 
 def compilation_mode(vllm_config) -> str:
