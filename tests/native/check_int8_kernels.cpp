@@ -155,6 +155,7 @@ int main() {
                                                 {9, 100}, {4, 132}, {3, 1000}};
 #if defined(WS_INT8_TILES) || defined(WS_INT8_BYTE_TILES)
   shapes.push_back({70, 2100});  // more rows than a block of the tiles, more inputs than a pass
+  shapes.push_back({40, 300});  // whole steps of full columns of 16 rows, then a tail, in a pass
 #endif
   for (const auto& shape : shapes) {
     for (double sparsity : {0.0, 0.3, 0.5, 0.8, 0.95}) {

@@ -19,6 +19,41 @@ constexpr int64_t kBlockRows = 16 * kColumns;    // rows expanded at a time
 constexpr int64_t kPassInputs = 2048;            // inputs a pass: the block's 128 KiB stay in L2
 constexpr int64_t kPassWords = kPassInputs / 4;  // 4-input words a pass
 
+// Sixteen expanded rows' words of one step turned into `out`'s 16 words of all 16 rows.
+WS_TARGET inline void store_step(__m512 words[16], __m512i* out) {
+  transpose16(words);  // now 16 words of inputs, each of all 16 rows
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j, _mm512_castps_si512(words[j]));
+}
+
+// The whole steps of 16 rows, all in the layer: each row's mask and values addressed once, the
+// mask read as one word (the step's addressing and a variable-length copy of its mask were
+// most of the expansion's instructions).
+template <bool TwoFour>
+WS_TARGET void expand_whole_steps(const Int8Layer& layer, int64_t first_row, int64_t k0,
+                                  int64_t steps, const int8_t** cursors, __m512i* out) {
+  const __m512i shift = _mm512_set1_epi8(char(0x80));
+  const int64_t mask_bytes = (layer.K + 7) / 8;
+  const uint8_t* masks[16];
+  const int8_t* values[16];
+  for (int r = 0; r < 16; ++r) {
+    masks[r] = layer.bitmask + (first_row + r) * mask_bytes + k0 / 8;
+    values[r] = TwoFour ? layer.values + layer.row_start(first_row + r) + k0 / 2 : cursors[r];
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    __m512 words[16];
+    for (int r = 0; r < 16; ++r) {
+      uint64_t mask;
+      std::memcpy(&mask, masks[r] + step * (kStep / 8), sizeof(mask));
+      const __m512i dense = TwoFour ? expand_two_four(values[r] + step * (kStep / 2), mask)
+                                    : expand64<true>(values[r], mask);
+      words[r] = _mm512_castsi512_ps(_mm512_xor_si512(dense, shift));
+    }
+    store_step(words, out + step * (kStep / 4));
+  }
+  if (!TwoFour)
+    for (int r = 0; r < 16; ++r) cursors[r] = values[r];
+}
+
 // Inputs [k0, k0 + count) of rows [n, n_end) (at most a block's) into `packed`
 // ([kColumns][kPassWords][16 rows][4 inputs], shifted to unsigned bytes; rows past n_end are
 // zero); an unstructured row reads from its cursor in `cursors`, which it advances.
@@ -28,7 +63,14 @@ WS_TARGET void expand_pass(const Int8Layer& layer, int64_t n, int64_t n_end, int
   const __m512i shift = _mm512_set1_epi8(char(0x80));
   const int64_t mask_bytes = (layer.K + 7) / 8;
   for (int64_t c = 0; c < kColumns; ++c) {
-    for (int64_t k = k0; k < k0 + count; k += kStep) {
+    int64_t k = k0;
+    if (n + 16 * c + 16 <= n_end) {
+      const int64_t steps = count / kStep;
+      expand_whole_steps<TwoFour>(layer, n + 16 * c, k0, steps, cursors + 16 * c,
+                                  packed + c * kPassWords);
+      k += steps * kStep;
+    }
+    for (; k < k0 + count; k += kStep) {
       const int64_t inputs = std::min(kStep, layer.K - k);
       __m512 words[16];
       for (int64_t r = 0; r < 16; ++r) {
@@ -44,9 +86,7 @@ WS_TARGET void expand_pass(const Int8Layer& layer, int64_t n, int64_t n_end, int
         }
         words[r] = _mm512_castsi512_ps(dense);
       }
-      transpose16(words);  // now 16 words of inputs, each of all 16 rows
-      __m512i* out = packed + c * kPassWords + (k - k0) / 4;
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j, _mm512_castps_si512(words[j]));
+      store_step(words, packed + c * kPassWords + (k - k0) / 4);
     }
   }
 }
@@ -75,11 +115,12 @@ struct NextBlock {
   }
 };
 
-// sums[t * kBlockRows + row] += the products of `words` words of the packed block with the six
-// tokens from `token` (row stride ldx bytes, 4-byte words from the pass's first input), a line
-// of the next block fetched each word. Each
-// token's 4 inputs are broadcast to every row. The 24 sums are named variables, not an array:
-// GCC keeps those in registers, and spilled an array (or a struct of four) on every word.
+// sums[t * kBlockRows + row] += the products of `words` words of the packed block with the T
+// (at most six) tokens from `token` (row stride ldx bytes, 4-byte words from the pass's first
+// input), a line of the next block fetched each word. Each token's 4 inputs are broadcast to
+// every row. The 24 sums are named variables, not an array: GCC keeps those in registers, and
+// spilled an array (or a struct of four) on every word.
+template <int T>
 WS_TARGET void tile_products(const __m512i* packed, const int8_t* token, int64_t ldx,
                              int64_t words, int32_t* sums, NextBlock& next) {
   const __m512i zero = _mm512_setzero_si512();
@@ -95,7 +136,7 @@ WS_TARGET void tile_products(const __m512i* packed, const int8_t* token, int64_t
     const int8_t* at = token + 4 * w;
     next.fetch_line();
 #define WS_TOKEN(t)                                          \
-  {                                                          \
+  if constexpr (t < T) {                                     \
     int32_t word;                                            \
     std::memcpy(&word, at + t * ldx, sizeof(word));          \
     const __m512i inputs = _mm512_set1_epi32(word);          \
@@ -110,7 +151,7 @@ WS_TARGET void tile_products(const __m512i* packed, const int8_t* token, int64_t
   const __m512i all[kVnniTileTokens * kColumns] = {s00, s01, s02, s03, s10, s11, s12, s13,
                                                    s20, s21, s22, s23, s30, s31, s32, s33,
                                                    s40, s41, s42, s43, s50, s51, s52, s53};
-  for (int t = 0; t < kVnniTileTokens; ++t)
+  for (int t = 0; t < T; ++t)
     for (int c = 0; c < kColumns; ++c) {
       int32_t* at = sums + t * kBlockRows + 16 * c;
       _mm512_storeu_si512(at, _mm512_add_epi32(_mm512_loadu_si512(at), all[t * kColumns + c]));
@@ -177,9 +218,18 @@ WS_TARGET void tiles_of(const Int8Layer& layer, const Int8Tokens& x, const Int8O
       const int64_t count = std::min(kPassInputs, layer.K - k0);
       expand_pass<TwoFour>(layer, n, n + rows, k0, count, cursors, packed);
       const int64_t words = (count + 3) / 4;
-      for (int64_t m = 0; m < x.M; m += kVnniTileTokens)
-        tile_products(packed, x.x_q + m * x.ldx + k0, x.ldx, words, sums.data() + m * kBlockRows,
-                      next);
+      for (int64_t m = 0; m < x.M; m += kVnniTileTokens) {
+        const int8_t* tokens = x.x_q + m * x.ldx + k0;
+        int32_t* token_sums_at = sums.data() + m * kBlockRows;
+        switch (std::min(kVnniTileTokens, x.M - m)) {  // the last tokens: no padded products
+          case 1: tile_products<1>(packed, tokens, x.ldx, words, token_sums_at, next); break;
+          case 2: tile_products<2>(packed, tokens, x.ldx, words, token_sums_at, next); break;
+          case 3: tile_products<3>(packed, tokens, x.ldx, words, token_sums_at, next); break;
+          case 4: tile_products<4>(packed, tokens, x.ldx, words, token_sums_at, next); break;
+          case 5: tile_products<5>(packed, tokens, x.ldx, words, token_sums_at, next); break;
+          default: tile_products<6>(packed, tokens, x.ldx, words, token_sums_at, next); break;
+        }
+      }
     }
     store_block(layer, x, out, token_sums.data(), sums.data(), n, rows);
   }
