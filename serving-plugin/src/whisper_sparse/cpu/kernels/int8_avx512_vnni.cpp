@@ -10,22 +10,15 @@
 namespace whisper_sparse {
 namespace {
 
-// One step of R rows and T tokens at input k: `count` inputs (kStep, or the row's tail). The
-// rows' weights are expanded, then shifted to unsigned bytes (w + 128: vpdpbusd's unsigned
-// operand), then multiplied by the tokens' signed bytes (as the bfloat16 row kernels: expanded
-// first, multiplied after).
-template <int R, int T, bool U, bool Tail>
-WS_TARGET inline void rows_step(const Int8Tokens& x, int64_t m, int64_t k, int64_t count,
-                                const RowsAhead<R>& ahead, const int8_t* (&values)[R],
-                                const uint8_t* const (&masks)[R], __m512i (&acc)[R][T]) {
-  const __m512i shift = _mm512_set1_epi8(char(0x80));
-  __m512i xv[T];
-  for (int t = 0; t < T; ++t) {
-    const int8_t* token = x.x_q + (m + t) * x.ldx + k;
-    xv[t] = Tail ? _mm512_maskz_loadu_epi8(low_bits(count), token) : _mm512_loadu_si512(token);
-  }
-  __m512i w[R];
-  for (int r = 0; r < R; ++r) {
+// Row r's 64 weights at input k (`count` inputs: kStep, or the row's tail), asked ahead,
+// expanded, then shifted to unsigned bytes (w + 128: vpdpbusd's unsigned operand); zero for a
+// row past the block's R.
+template <int r, int R, bool U, bool Tail>
+WS_TARGET inline __m512i row_weights(const RowsAhead<R>& ahead, const int8_t* (&values)[R],
+                                     const uint8_t* const (&masks)[R], int64_t k, int64_t count) {
+  if constexpr (r >= R) {
+    return _mm512_setzero_si512();
+  } else {
     ask_row_ahead(ahead, r, values[r], masks[r], k);
     uint64_t bits;
     if (Tail) {
@@ -33,38 +26,74 @@ WS_TARGET inline void rows_step(const Int8Tokens& x, int64_t m, int64_t k, int64
     } else {
       std::memcpy(&bits, masks[r] + k / 8, sizeof(bits));
     }
-    w[r] = _mm512_xor_si512(expand64<U || Tail>(values[r], __mmask64(bits)), shift);
+    return _mm512_xor_si512(expand64<U || Tail>(values[r], __mmask64(bits)),
+                            _mm512_set1_epi8(char(0x80)));
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], w[r], xv[t]);
 }
+
+// Token m + t's bytes at input k (zero past the call's T tokens).
+template <int t, int T, bool Tail>
+WS_TARGET inline __m512i token_bytes(const Int8Tokens& x, int64_t m, int64_t k, int64_t count) {
+  if constexpr (t >= T) {
+    return _mm512_setzero_si512();
+  } else {
+    const int8_t* token = x.x_q + (m + t) * x.ldx + k;
+    return Tail ? _mm512_maskz_loadu_epi8(low_bits(count), token) : _mm512_loadu_si512(token);
+  }
+}
+
+// One step of R rows and T tokens (at most four of each) at input k: the rows' weights
+// expanded first, then multiplied by the tokens' signed bytes (as the bfloat16 row kernels).
+// The sums are the caller's named variables s<row><token>: GCC spilled an array of them to the
+// stack and reloaded it on every step.
+#define WS_ROWS_STEP(TAIL, K, COUNT)                                                       \
+  {                                                                                        \
+    const __m512i x0 = token_bytes<0, T, TAIL>(x, m, K, COUNT);                            \
+    const __m512i x1 = token_bytes<1, T, TAIL>(x, m, K, COUNT);                            \
+    const __m512i x2 = token_bytes<2, T, TAIL>(x, m, K, COUNT);                            \
+    const __m512i x3 = token_bytes<3, T, TAIL>(x, m, K, COUNT);                            \
+    const __m512i w0 = row_weights<0, R, U, TAIL>(ahead, values, masks, K, COUNT);         \
+    const __m512i w1 = row_weights<1, R, U, TAIL>(ahead, values, masks, K, COUNT);         \
+    const __m512i w2 = row_weights<2, R, U, TAIL>(ahead, values, masks, K, COUNT);         \
+    const __m512i w3 = row_weights<3, R, U, TAIL>(ahead, values, masks, K, COUNT);         \
+    WS_ROW_PRODUCTS(0) WS_ROW_PRODUCTS(1) WS_ROW_PRODUCTS(2) WS_ROW_PRODUCTS(3)            \
+  }
+#define WS_PRODUCT(r, t) \
+  if constexpr (r < R && t < T) s##r##t = _mm512_dpbusd_epi32(s##r##t, w##r, x##t);
+#define WS_ROW_PRODUCTS(r) WS_PRODUCT(r, 0) WS_PRODUCT(r, 1) WS_PRODUCT(r, 2) WS_PRODUCT(r, 3)
 
 // y for R rows from n and T tokens from m: each row walked by a cursor of its own; the shift's
 // 128 * (the token's sum of x_q) taken off each sum at the end.
 template <int R, int T, bool U>
 WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
                           const int32_t* token_sums, int64_t m, int64_t n) {
+  static_assert(R <= 4 && T <= 4, "a block is at most four rows by four tokens");
   const int64_t mask_bytes = (layer.K + 7) / 8, whole = layer.K & ~(kStep - 1);
   const RowsAhead<R> ahead(layer, n);
   const int8_t* values[R];
   const uint8_t* masks[R];
-  __m512i acc[R][T];
   for (int r = 0; r < R; ++r) {
     values[r] = layer.values + layer.row_start(n + r);
     masks[r] = layer.bitmask + (n + r) * mask_bytes;
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_si512();
   }
-  for (int64_t k = 0; k < whole; k += kStep)
-    rows_step<R, T, U, false>(x, m, k, kStep, ahead, values, masks, acc);
-  if (whole < layer.K)
-    rows_step<R, T, U, true>(x, m, whole, layer.K - whole, ahead, values, masks, acc);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i s00 = zero, s01 = zero, s02 = zero, s03 = zero, s10 = zero, s11 = zero, s12 = zero,
+          s13 = zero, s20 = zero, s21 = zero, s22 = zero, s23 = zero, s30 = zero, s31 = zero,
+          s32 = zero, s33 = zero;
+  for (int64_t k = 0; k < whole; k += kStep) WS_ROWS_STEP(false, k, kStep)
+  if (whole < layer.K) WS_ROWS_STEP(true, whole, layer.K - whole)
+  const __m512i sums[4][4] = {
+      {s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23}, {s30, s31, s32, s33}};
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {  // in uint32: the shifted sums may wrap, their difference not
       const uint32_t off = uint32_t(token_sums[m + t]) * 128u;
-      const uint32_t sum = uint32_t(_mm512_reduce_add_epi32(acc[r][t])) - off;
+      const uint32_t sum = uint32_t(_mm512_reduce_add_epi32(sums[r][t])) - off;
       store_int8_sum(out, x, layer, m + t, n + r, int32_t(sum));
     }
 }
+#undef WS_ROW_PRODUCTS
+#undef WS_PRODUCT
+#undef WS_ROWS_STEP
 
 // Every token of rows [n, n + R): tiles of up to four tokens pass over the rows while they are
 // in cache, so the weights are read from memory once.
