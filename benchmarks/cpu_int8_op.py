@@ -163,7 +163,7 @@ def markdown(payload: dict) -> str:
         f"CPU: {payload['cpu']}; W8A8 kernels: {payload['int8_kernels']}; the dense W8A8 layer: "
         f"{', '.join(dense_paths)}. Each cell: the dense W8A8 time / the op's (above 1: the op "
         f"is faster), the median of {payload['repeats']} alternated rounds' ratios, on the op's "
-        "faster path (rows: the row kernels; tiles: AMX-INT8 or the 256-bit tiles), "
+        "faster path (rows: the row kernels; tiles: AMX-INT8, the VNNI or the 256-bit tiles), "
         "activation quantization included on both sides; in brackets against vLLM's dense "
         "bf16 GEMM. `exact`: the op's output equals the dense W8A8 layer on the same weight, "
         "bit for bit.",
