@@ -20,12 +20,8 @@ WS_TARGET inline __m512i row_weights(const RowsAhead<R>& ahead, const int8_t* (&
     return _mm512_setzero_si512();
   } else {
     ask_row_ahead(ahead, r, values[r], masks[r], k);
-    uint64_t bits;
-    if (Tail) {
-      bits = step_mask(masks[r], k, count);
-    } else {
-      std::memcpy(&bits, masks[r] + k / 8, sizeof(bits));
-    }
+    const uint64_t bits = Tail ? uint64_t(step_mask(masks[r], k, count))
+                               : whole_step_mask(masks[r], k);
     return _mm512_xor_si512(expand64<U || Tail>(values[r], __mmask64(bits)),
                             _mm512_set1_epi8(char(0x80)));
   }

@@ -34,6 +34,13 @@ inline __mmask64 step_mask(const uint8_t* row, int64_t k, int64_t count) {
   return __mmask64(mask) & low_bits(count);
 }
 
+// The mask of a whole step (64 inputs) of a bitmask row from input k on, read as one word.
+inline uint64_t whole_step_mask(const uint8_t* row, int64_t k) {
+  uint64_t mask;
+  std::memcpy(&mask, row + k / 8, sizeof(mask));
+  return mask;
+}
+
 // The 64 dense weights of a whole step of a 2:4 row from its 32 kept values: vpermb places
 // them, each group of 4 inputs taking its two values (2g and 2g + 1) in its two kept lanes. A
 // kept lane takes the second where a kept lane lies before it in its group: always in lane 3,

@@ -34,18 +34,16 @@ WS_TARGET void expand_whole_steps(const Int8Layer& layer, int64_t first_row, int
   const __m512i shift = _mm512_set1_epi8(char(0x80));
   const int64_t mask_bytes = (layer.K + 7) / 8;
   const uint8_t* masks[16];
-  const int8_t* values[16];
+  const int8_t* values[16];  // a cursor per row, advanced as the rows' kernels advance theirs
   for (int r = 0; r < 16; ++r) {
-    masks[r] = layer.bitmask + (first_row + r) * mask_bytes + k0 / 8;
+    masks[r] = layer.bitmask + (first_row + r) * mask_bytes;
     values[r] = TwoFour ? layer.values + layer.row_start(first_row + r) + k0 / 2 : cursors[r];
   }
   for (int64_t step = 0; step < steps; ++step) {
     __m512 words[16];
     for (int r = 0; r < 16; ++r) {
-      uint64_t mask;
-      std::memcpy(&mask, masks[r] + step * (kStep / 8), sizeof(mask));
-      const __m512i dense = TwoFour ? expand_two_four(values[r] + step * (kStep / 2), mask)
-                                    : expand64<true>(values[r], mask);
+      const uint64_t mask = whole_step_mask(masks[r], k0 + step * kStep);
+      const __m512i dense = expand64<!TwoFour>(values[r], __mmask64(mask));
       words[r] = _mm512_castsi512_ps(_mm512_xor_si512(dense, shift));
     }
     store_step(words, out + step * (kStep / 4));
