@@ -53,25 +53,46 @@ WS_TARGET inline DenseStep two_four_step(const int8_t* kept, uint32_t bits) {
   return {_mm_shuffle_epi8(values, low), _mm_shuffle_epi8(values, high)};
 }
 
-// Sixteen dense int8 weights of any row from sixteen mask bits (the first input in the
-// lowest) and a cursor over its kept values, which it advances; read from a copy where sixteen
-// bytes from the cursor would pass `end`. The second byte's indices, raised by the first's
-// count of kept values, stay at or above 0x80 where pruned.
-WS_TARGET inline __m128i expand16(const int8_t*& values, const int8_t* end, uint32_t bits) {
-  const uint32_t low = bits & 0xFF, high = bits >> 8 & 0xFF;
-  const int first = __builtin_popcount(low);
-  const __m128i control = _mm_set_epi64x(
-      int64_t(kPlace.place[0][high] + first * kEveryByte), int64_t(kPlace.place[0][low]));
-  __m128i kept;
-  if (end - values >= 16) {
-    kept = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
-  } else {
+// Sixteen kept values from `at`, or where Checked and fewer than sixteen remain before `end`,
+// those left and zeros (a load never passes the layer's last value).
+template <bool Checked>
+WS_TARGET inline __m128i kept16(const int8_t* at, const int8_t* end) {
+  if (Checked && end - at < 16) {
     alignas(16) int8_t copy[16] = {};
-    std::memcpy(copy, values, end - values);
-    kept = _mm_load_si128(reinterpret_cast<const __m128i*>(copy));
+    std::memcpy(copy, at, end - at);
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(copy));
   }
-  values += first + __builtin_popcount(high);
-  return _mm_shuffle_epi8(kept, control);
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+}
+
+// The pshufb control of sixteen inputs from their mask bits (the first input in the lowest),
+// whose kept values start at the control's index 0. The second byte's indices, raised by the
+// first's count of kept values, stay at or above 0x80 where pruned.
+WS_TARGET inline __m128i place16(uint32_t bits) {
+  const uint32_t low = bits & 0xFF, high = bits >> 8 & 0xFF;
+  return _mm_set_epi64x(int64_t(kPlace.place[0][high] + __builtin_popcount(low) * kEveryByte),
+                        int64_t(kPlace.place[0][low]));
+}
+
+// Sixteen dense int8 weights of any row from sixteen mask bits and a cursor over its kept
+// values, which it advances; read from a copy where sixteen bytes from the cursor would pass
+// `end`.
+WS_TARGET inline __m128i expand16(const int8_t*& values, const int8_t* end, uint32_t bits) {
+  const __m128i kept = kept16<true>(values, end);
+  values += __builtin_popcount(bits & 0xFFFF);
+  return _mm_shuffle_epi8(kept, place16(bits));
+}
+
+// A whole step of an unstructured row: its 32 mask bits and the cursor at its first kept value,
+// which advances once, past the step's. Each half's values are loaded from where the first
+// half's count says, so neither load waits on the other's advance.
+template <bool Checked>
+WS_TARGET inline DenseStep any_step(const int8_t*& values, const int8_t* end, uint32_t bits) {
+  const int8_t* high = values + __builtin_popcount(bits & 0xFFFF);
+  const DenseStep dense = {_mm_shuffle_epi8(kept16<Checked>(values, end), place16(bits)),
+                           _mm_shuffle_epi8(kept16<Checked>(high, end), place16(bits >> 16))};
+  values += __builtin_popcount(bits);
+  return dense;
 }
 
 // The mask bits of inputs [k, min(k + 16, K)) of a bitmask row (k a multiple of 8; 0 from K).
@@ -119,9 +140,13 @@ struct StepTokens {
   }
 };
 
+// How a block of rows is stored: 2:4, or unstructured, whose loads either stay in the layer or,
+// in its last rows, are checked against its end (kept16).
+enum class Layout { kTwoFour, kBitmask, kBitmaskAtEnd };
+
 // One step (kStep inputs at k; in the tail, zero from K) of R rows and T tokens: each row's
 // weights expanded once (Dot::weights) and multiplied by every token's, read from L1.
-template <class Dot, int R, int T, bool TwoFour, bool Tail>
+template <class Dot, int R, int T, Layout L, bool Tail>
 WS_TARGET inline void rows_step(const Int8Layer& layer, const typename Dot::Token* tokens,
                                 int64_t stride, int64_t k, const RowsAhead<R>& ahead,
                                 const int8_t* (&values)[R], const uint8_t* const (&masks)[R],
@@ -132,7 +157,7 @@ WS_TARGET inline void rows_step(const Int8Layer& layer, const typename Dot::Toke
     if constexpr (Tail) {
       dense.low = tail16(values[r], masks[r], k, layer.K);
       dense.high = tail16(values[r], masks[r], k + kExpanded, layer.K);
-    } else if constexpr (TwoFour) {  // the cursor stays at the row's start
+    } else if constexpr (L == Layout::kTwoFour) {  // the cursor stays at the row's start
       uint32_t bits;
       std::memcpy(&bits, masks[r] + k / 8, sizeof(bits));
       dense = two_four_step(values[r] + k / 2, bits);
@@ -141,8 +166,7 @@ WS_TARGET inline void rows_step(const Int8Layer& layer, const typename Dot::Toke
       if ((k & 63) == 0) ask_row_ahead(ahead, r, values[r], masks[r], k);
       uint32_t bits;
       std::memcpy(&bits, masks[r] + k / 8, sizeof(bits));
-      dense.low = expand16(values[r], end, bits & 0xFFFF);
-      dense.high = expand16(values[r], end, bits >> 16);
+      dense = any_step<L == Layout::kBitmaskAtEnd>(values[r], end, bits);
     }
     const typename Dot::Weights w = Dot::weights(dense);
     for (int t = 0; t < T; ++t) acc[r][t] = Dot::dot(acc[r][t], w, tokens + t * stride + k);
@@ -151,7 +175,7 @@ WS_TARGET inline void rows_step(const Int8Layer& layer, const typename Dot::Toke
 
 // y for R rows from n and T tokens from m. A 2:4 row's cursor stays at its start (its step's
 // values are at k / 2) until the tail; any other row's advances over its kept values.
-template <class Dot, int R, int T, bool TwoFour>
+template <class Dot, int R, int T, Layout L>
 WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x,
                           const StepTokens<Dot>& tokens, const Int8Output& out, int64_t m,
                           int64_t n) {
@@ -167,12 +191,11 @@ WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x,
   }
   const typename Dot::Token* rows = tokens.values.data() + m * tokens.stride;
   for (int64_t k = 0; k < whole; k += kStep)
-    rows_step<Dot, R, T, TwoFour, false>(layer, rows, tokens.stride, k, ahead, values, masks, acc);
+    rows_step<Dot, R, T, L, false>(layer, rows, tokens.stride, k, ahead, values, masks, acc);
   if (whole < layer.K) {
-    if constexpr (TwoFour)
+    if constexpr (L == Layout::kTwoFour)
       for (int r = 0; r < R; ++r) values[r] += whole / 2;
-    rows_step<Dot, R, T, TwoFour, true>(layer, rows, tokens.stride, whole, ahead, values, masks,
-                                        acc);
+    rows_step<Dot, R, T, L, true>(layer, rows, tokens.stride, whole, ahead, values, masks, acc);
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < T; ++t) {
@@ -183,16 +206,30 @@ WS_TARGET void rows_block(const Int8Layer& layer, const Int8Tokens& x,
 
 // Every token of rows [n, n + R): tiles of up to four tokens pass over the rows while they are
 // in cache, so the weights are read from memory once.
-template <class Dot, int R, bool TwoFour>
+template <class Dot, int R, Layout L>
 WS_TARGET void rows_all_tokens(const Int8Layer& layer, const Int8Tokens& x,
                                const StepTokens<Dot>& tokens, const Int8Output& out, int64_t n) {
   int64_t m = 0;
-  for (; m + 4 <= x.M; m += 4) rows_block<Dot, R, 4, TwoFour>(layer, x, tokens, out, m, n);
+  for (; m + 4 <= x.M; m += 4) rows_block<Dot, R, 4, L>(layer, x, tokens, out, m, n);
   switch (x.M - m) {
-    case 3: rows_block<Dot, R, 3, TwoFour>(layer, x, tokens, out, m, n); break;
-    case 2: rows_block<Dot, R, 2, TwoFour>(layer, x, tokens, out, m, n); break;
-    case 1: rows_block<Dot, R, 1, TwoFour>(layer, x, tokens, out, m, n); break;
+    case 3: rows_block<Dot, R, 3, L>(layer, x, tokens, out, m, n); break;
+    case 2: rows_block<Dot, R, 2, L>(layer, x, tokens, out, m, n); break;
+    case 1: rows_block<Dot, R, 1, L>(layer, x, tokens, out, m, n); break;
     default: break;
+  }
+}
+
+// Rows [n, n + R) of any layout: an unstructured block is checked where a load of sixteen
+// values from its last row's could pass the layer's end.
+template <class Dot, int R, bool TwoFour>
+WS_TARGET void rows_block_of(const Int8Layer& layer, const Int8Tokens& x,
+                             const StepTokens<Dot>& tokens, const Int8Output& out, int64_t n) {
+  if constexpr (TwoFour) {
+    rows_all_tokens<Dot, R, Layout::kTwoFour>(layer, x, tokens, out, n);
+  } else if (layer.values_before(n + R) + kExpanded <= layer.values_count) {
+    rows_all_tokens<Dot, R, Layout::kBitmask>(layer, x, tokens, out, n);
+  } else {
+    rows_all_tokens<Dot, R, Layout::kBitmaskAtEnd>(layer, x, tokens, out, n);
   }
 }
 
@@ -201,20 +238,21 @@ template <class Dot, int R, bool TwoFour>
 WS_TARGET void rows_of(const Int8Layer& layer, const Int8Tokens& x, const StepTokens<Dot>& tokens,
                        const Int8Output& out, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) rows_all_tokens<Dot, R, TwoFour>(layer, x, tokens, out, n);
-  for (; n < n_end; ++n) rows_all_tokens<Dot, 1, TwoFour>(layer, x, tokens, out, n);
+  for (; n + R <= n_end; n += R) rows_block_of<Dot, R, TwoFour>(layer, x, tokens, out, n);
+  for (; n < n_end; ++n) rows_block_of<Dot, 1, TwoFour>(layer, x, tokens, out, n);
 }
 
-// Rows [n_begin, n_end) of y for every token: four rows at a time up to two tokens (more loads
-// in flight at decode), two above (at most 2 x 4 sums and a step's weights in registers).
+// Rows [n_begin, n_end) of y for every token: one row at a time in memory order up to two
+// tokens (its cursor and sums stay in registers), two above (at most 2 x 4 sums and a step's
+// weights in registers).
 template <class Dot>
 WS_TARGET void rows_256(const Int8Layer& layer, const Int8Tokens& x, const Int8Output& out,
                         int64_t n_begin, int64_t n_end) {
   const StepTokens<Dot> tokens(x, layer.K);
   const bool two_four = layer.row_offsets == nullptr;
   if (x.M <= 2) {
-    two_four ? rows_of<Dot, 4, true>(layer, x, tokens, out, n_begin, n_end)
-             : rows_of<Dot, 4, false>(layer, x, tokens, out, n_begin, n_end);
+    two_four ? rows_of<Dot, 1, true>(layer, x, tokens, out, n_begin, n_end)
+             : rows_of<Dot, 1, false>(layer, x, tokens, out, n_begin, n_end);
   } else {
     two_four ? rows_of<Dot, 2, true>(layer, x, tokens, out, n_begin, n_end)
              : rows_of<Dot, 2, false>(layer, x, tokens, out, n_begin, n_end);

@@ -44,8 +44,7 @@ WS_TARGET void expand_pass(const Int8Layer& layer, int64_t n, int64_t rows, int6
         if constexpr (TwoFour) {
           dense = two_four_step(two_four_row + k / 2, bits);
         } else {
-          dense.low = expand16(cursors[r], end, bits & 0xFFFF);
-          dense.high = expand16(cursors[r], end, bits >> 16);
+          dense = any_step<true>(cursors[r], end, bits);
         }
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + k), _mm256_cvtepi8_epi16(dense.low));
