@@ -74,15 +74,6 @@ WS_TARGET inline __m128i place16(uint32_t bits) {
                         int64_t(kPlace.place[0][low]));
 }
 
-// Sixteen dense int8 weights of any row from sixteen mask bits and a cursor over its kept
-// values, which it advances; read from a copy where sixteen bytes from the cursor would pass
-// `end`.
-WS_TARGET inline __m128i expand16(const int8_t*& values, const int8_t* end, uint32_t bits) {
-  const __m128i kept = kept16<true>(values, end);
-  values += __builtin_popcount(bits & 0xFFFF);
-  return _mm_shuffle_epi8(kept, place16(bits));
-}
-
 // A whole step of an unstructured row: its 32 mask bits and the cursor at its first kept value,
 // which advances once, past the step's. Each half's values are loaded from where the first
 // half's count says, so neither load waits on the other's advance.
@@ -104,11 +95,15 @@ inline uint32_t step_bits(const uint8_t* row, int64_t k, int64_t K) {
   return count >= 16 ? bits : bits & ((1u << count) - 1);
 }
 
-// Sixteen weights of a row in its tail from input k (zero from K), from a cursor it advances.
+// Sixteen weights of a row in its tail from input k (zero from K), from a cursor it advances
+// past their kept values, which it reads no further than (through a copy where fewer than 16).
 WS_TARGET inline __m128i tail16(const int8_t*& values, const uint8_t* mask, int64_t k,
                                 int64_t K) {
   const uint32_t bits = step_bits(mask, k, K);
-  return expand16(values, values + __builtin_popcount(bits), bits);
+  const int8_t* after = values + __builtin_popcount(bits);
+  const __m128i kept = kept16<true>(values, after);
+  values = after;
+  return _mm_shuffle_epi8(kept, place16(bits));
 }
 
 WS_TARGET inline int32_t horizontal_sum(__m256i v) {
